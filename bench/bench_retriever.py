@@ -1,0 +1,156 @@
+"""BM25 retrieval: retriever.py against bm25s (numpy and numba backends) on the same tokens.
+
+Synthetic corpus: a Zipfian vocabulary (word ranks 1..V drawn with p ~ 1/rank^1.07, V = 300,000
+random lowercase strings, Lucene's 33 stopwords as the most frequent words), passages of 80-120
+words, FlashRAG JSON lines. Queries: 1,000, each 4-8 words drawn from a random passage (so they
+match documents the way questions do). Each system runs in its own process; the table gives
+index build time, peak resident memory of that process, and single-process queries/s for top-10
+(one thread). Then the top-10 of ours is checked against a float64 brute-force BM25 written here.
+
+    python bench/bench_retriever.py [--docs 225000] [--queries 1000] [--skip-bm25s]
+"""
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import resource
+import string
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import retriever as R  # noqa: E402
+
+
+def make_corpus(path, n_docs, seed=0, vocab_size=300_000):
+    rng = np.random.default_rng(seed)
+    letters = np.array(list(string.ascii_lowercase))
+    lens = rng.integers(3, 11, vocab_size)
+    words = sorted(R.STOPWORDS) + ["".join(rng.choice(letters, n)) for n in lens]
+    p = 1.0 / np.arange(1, len(words) + 1) ** 1.07
+    p /= p.sum()
+    n_words = rng.integers(80, 121, n_docs)
+    ids = rng.choice(len(words), size=int(n_words.sum()), p=p)
+    bounds = np.concatenate([[0], np.cumsum(n_words)])
+    with open(path, "w") as f:
+        for i in range(n_docs):
+            ws = [words[j] for j in ids[bounds[i]:bounds[i + 1]]]
+            f.write(json.dumps({"id": str(i), "contents": f'"{ws[0].title()} {ws[1]}"\n' + " ".join(ws[2:])}) + "\n")
+    queries = []
+    for _ in range(1000 * 4):
+        d = rng.integers(n_docs)
+        seg = ids[bounds[d]:bounds[d + 1]]
+        queries.append(" ".join(words[j] for j in rng.choice(seg, rng.integers(4, 9), replace=False)))
+    return queries
+
+
+def peak_rss_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_ours(corpus, queries, out, q):
+    idx_dir = os.path.join(os.path.dirname(corpus), "index")
+    t0 = time.perf_counter()
+    R.build_index(corpus, idx_dir)
+    build = time.perf_counter() - t0
+    index = R.load_index(idx_dir)
+    index.search(queries[:50], 10)  # warm the page cache
+    t0 = time.perf_counter()
+    hits = index.search(queries, 10)
+    qps = len(queries) / (time.perf_counter() - t0)
+    q.put(("ours (numpy)", build, peak_rss_mb(), qps, [[i for i, _ in h] for h in hits],
+           index.meta["n_postings"]))
+
+
+def run_bm25s(corpus, queries, backend, q):
+    import bm25s
+    tokens = [R.analyze(f"{t} {x}") for _, _, t, x in R.read_corpus(corpus)]
+    t0 = time.perf_counter()
+    ret = bm25s.BM25(method="lucene", k1=0.9, b=0.4, backend=backend)
+    ret.index(tokens, show_progress=False)
+    build = time.perf_counter() - t0
+    del tokens
+    qt = [R.analyze(s) for s in queries]
+    ret.retrieve(qt[:50], k=10, show_progress=False, n_threads=1)  # warm-up (numba compiles)
+    t0 = time.perf_counter()
+    docs, _ = ret.retrieve(qt, k=10, show_progress=False, n_threads=1)
+    qps = len(queries) / (time.perf_counter() - t0)
+    q.put((f"bm25s ({backend})", build, peak_rss_mb(), qps, docs.tolist(), None))
+
+
+def brute_force_top10(corpus, queries, k1=0.9, b=0.4):
+    """Float64 BM25 over a doc-term matrix built here from the token lists, full sort per query."""
+    vocab, rows, cols = {}, [], []
+    for d, (_, _, t, x) in enumerate(R.read_corpus(corpus)):
+        for w in R.analyze(f"{t} {x}"):
+            rows.append(d)
+            cols.append(vocab.setdefault(w, len(vocab)))
+    rows, cols = np.array(rows), np.array(cols)
+    n = rows.max() + 1
+    dl = np.bincount(rows, minlength=n).astype(np.float64)
+    order = np.lexsort((rows, cols))
+    rows, cols = rows[order], cols[order]
+    out = []
+    for qs in queries:
+        score = np.zeros(n)
+        for w in R.analyze(qs):
+            if w not in vocab:
+                continue
+            lo, hi = np.searchsorted(cols, [vocab[w], vocab[w] + 1])
+            tf = np.bincount(rows[lo:hi], minlength=n).astype(np.float64)
+            df = np.count_nonzero(tf)
+            idf = np.log(1 + (n - df + 0.5) / (df + 0.5))
+            score += idf * tf * (k1 + 1) / (tf + k1 * (1 - b + b * dl / dl.mean()))
+        top = np.lexsort((np.arange(n), -score))[:10]
+        out.append([int(i) for i in top if score[i] > 0])
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--docs", type=int, default=225_000)
+    ap.add_argument("--queries", type=int, default=1000)
+    ap.add_argument("--skip-bm25s", action="store_true")
+    ap.add_argument("--check", type=int, default=200, help="queries checked against brute force")
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp()
+    corpus = os.path.join(tmp, "corpus.jsonl")
+    t0 = time.perf_counter()
+    queries = make_corpus(corpus, args.docs)[: args.queries]
+    print(f"corpus: {args.docs:,} passages, {os.path.getsize(corpus) / 1e6:.0f} MB, made in "
+          f"{time.perf_counter() - t0:.0f}s", file=sys.stderr)
+    ctx = mp.get_context("spawn")
+    jobs = [(run_ours, (corpus, queries))]
+    if not args.skip_bm25s:
+        jobs.append((run_bm25s, (corpus, queries, "numpy")))
+        try:
+            import numba  # noqa: F401
+            jobs.append((run_bm25s, (corpus, queries, "numba")))
+        except ImportError:
+            print("numba not installed: bm25s-numba skipped", file=sys.stderr)
+    results = []
+    for fn, a in jobs:
+        q = ctx.Queue()
+        p = ctx.Process(target=fn, args=(*a, q))
+        p.start()
+        results.append(q.get())
+        p.join()
+        print(f"  {results[-1][0]} done", file=sys.stderr)
+    bf = brute_force_top10(corpus, queries[: args.check])
+    ours = results[0]
+    print(f"\n{args.docs:,} passages, {ours[5]:,} postings, {len(queries)} queries, top-10, 1 thread\n")
+    print("| system | build s | peak RSS MB | queries/s | top-10 = brute force |")
+    print("|---|---|---|---|---|")
+    for name, build, rss, qps, top, _ in results:
+        same = sum(t[:len(w)] == w for t, w in zip(top, bf))
+        print(f"| {name} | {build:.1f} | {rss:.0f} | {qps:,.0f} | {same}/{len(bf)} |")
+    if not args.skip_bm25s:
+        print(f"\nours / bm25s-numpy queries/s: {ours[3] / results[1][3]:.1f}x")
+
+
+if __name__ == "__main__":
+    main()

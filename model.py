@@ -1,0 +1,502 @@
+"""Qwen2 / Qwen2.5 in plain PyTorch: model, tokenizer, chat template, KV-cache generation.
+
+The architecture is Qwen2ForCausalLM (every Qwen2.5 size, 0.5B to 72B, uses it):
+    h = embed(ids)
+    for each layer:  h = h + Attn(RMSNorm(h));  h = h + MLP(RMSNorm(h))
+    logits = lm_head(RMSNorm(h))            (lm_head = embed^T when tie_word_embeddings)
+    RMSNorm(x) = w * x / sqrt(mean(x^2) + eps), computed in float32
+    Attn: grouped-query attention, q/k/v with biases, o without; rotary embeddings
+          (theta from the config) on q and k; scaled_dot_product_attention.
+    MLP:  down(silu(gate(x)) * up(x))   (SwiGLU)
+
+Padding and caching share one mechanism. A `KVCache` is preallocated for (batch, max_len) and
+holds, per row, which cache slots hold a real token (`valid`) and the next rotary position
+(`next_pos`). Every forward appends a (B, T) chunk to the same slots of every row; a row whose
+chunk is shorter marks its trailing slots invalid. So ragged prompts are right-padded into the
+cache, forced tokens (retrieved text) are appended without recomputing anything, and attention
+masks are always "valid and not in the future".
+
+Left out on purpose: sliding-window attention and rope scaling (Qwen2.5 does not use them at
+<= 32k tokens; such configs are rejected), flash/paged attention, tensor parallelism,
+speculative decoding, beam search.
+
+    python model.py CHECKPOINT_DIR "Why is the sky blue?"     # greedy chat demo
+"""
+
+import json
+import math
+import os
+import shutil
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+# The Qwen chat template for one user message, with the generation prompt (byte-exact).
+CHAT_TEMPLATE = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+                 "<|im_start|>user\n{message}<|im_end|>\n<|im_start|>assistant\n")
+
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # Qwen's ids 151643-151645
+
+
+def chat_prompt(message):
+    """The Qwen chat string for one user message, ending where the assistant starts to write."""
+    return CHAT_TEMPLATE.format(message=message)
+
+
+# ----------------------------------------------------------------------------------------------
+# config
+
+@dataclass
+class Qwen2Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32768
+    head_dim: int = 0  # 0: hidden_size // num_attention_heads
+
+    def __post_init__(self):
+        if self.head_dim == 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+
+    @classmethod
+    def from_json(cls, path):
+        """Read a Hugging Face Qwen2 config.json; unsupported features are a clear error."""
+        with open(path) as f:
+            raw = json.load(f)
+        if raw.get("model_type", "qwen2") != "qwen2":
+            raise ValueError(f"{path}: model_type is {raw['model_type']!r}, expected 'qwen2'")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{path}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
+        if raw.get("use_sliding_window", False):
+            raise ValueError(f"{path}: use_sliding_window=true is not supported")
+        rope = raw.get("rope_parameters") or {}  # transformers >= 5 writes rope settings here
+        if raw.get("rope_scaling") or rope.get("rope_type", "default") != "default":
+            raise ValueError(f"{path}: rope scaling is not supported "
+                             f"({raw.get('rope_scaling') or rope})")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in raw]
+        if missing:
+            raise ValueError(f"{path}: missing config field(s) {missing}")
+        return cls(
+            vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"], num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=raw["num_attention_heads"],
+            num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", raw.get("rope_theta", 10000.0)),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            max_position_embeddings=raw.get("max_position_embeddings", 32768),
+            head_dim=raw.get("head_dim") or 0)
+
+    def to_hf_dict(self, dtype):
+        d = asdict(self)
+        d.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_act="silu",
+                 use_sliding_window=False, rope_scaling=None, attention_dropout=0.0,
+                 torch_dtype=str(dtype).removeprefix("torch."), bos_token_id=None,
+                 eos_token_id=None)
+        return d
+
+
+# ----------------------------------------------------------------------------------------------
+# KV cache
+
+class KVCache:
+    """Preallocated keys/values for every layer: (L, B, H_kv, max_len, D), plus per-row slot validity."""
+
+    def __init__(self, cfg, batch, max_len, device, dtype):
+        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)  # (B, S)
+        self.next_pos = torch.zeros(batch, dtype=torch.long, device=device)  # (B,)
+        self.length = 0  # slots used, the same for every row
+
+    @property
+    def max_len(self):
+        return self.valid.shape[1]
+
+    def repeat_rows(self, g):
+        """A cache of B*g rows where rows b*g .. b*g+g-1 are copies of row b (the GRPO group)."""
+        new = object.__new__(KVCache)
+        n = self.length
+        new.k = torch.zeros_like(self.k.repeat_interleave(g, dim=1))
+        new.v = torch.zeros_like(new.k)
+        new.k[:, :, :, :n] = self.k[:, :, :, :n].repeat_interleave(g, dim=1)  # (L, B*g, H, n, D)
+        new.v[:, :, :, :n] = self.v[:, :, :, :n].repeat_interleave(g, dim=1)
+        new.valid = self.valid.repeat_interleave(g, dim=0)  # (B*g, S)
+        new.next_pos = self.next_pos.repeat_interleave(g, dim=0)  # (B*g,)
+        new.length = n
+        return new
+
+
+# ----------------------------------------------------------------------------------------------
+# model
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        d, h, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        self.n_head, self.n_kv, self.head_dim = h, hkv, d
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=True)
+        self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=True)
+        self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=True)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, mask, cache, layer):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if cache is not None:
+            s0 = cache.length
+            cache.k[layer, :, :, s0:s0 + T] = k
+            cache.v[layer, :, :, s0:s0 + T] = v
+            k = cache.k[layer, :, :, :s0 + T]  # (B, Hkv, S, D)
+            v = cache.v[layer, :, :, :s0 + T]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                           enable_gqa=self.n_head != self.n_kv)  # (B, H, T, D)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask, cache, layer):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen2(nn.Module):
+    """Qwen2ForCausalLM; parameter names equal the Hugging Face checkpoint's tensor names."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.config = cfg
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self):
+        """The (V, d) output projection (the embedding matrix when tied)."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def new_cache(self, batch, max_len):
+        w = self.model.embed_tokens.weight
+        return KVCache(self.config, batch, max_len, w.device, w.dtype)
+
+    def hidden(self, input_ids, cache=None, valid=None, positions=None):
+        """Final-normed hidden states (B, T, d).
+
+        valid: (B, T) bool, False for padding (default all True). positions: (B, T) rotary
+        positions (default: count of valid tokens before, continuing the cache's rows).
+        With a cache, the chunk is appended to it and attends to everything valid before it.
+        """
+        B, T = input_ids.shape
+        dev = input_ids.device
+        if valid is None:
+            valid = torch.ones(B, T, dtype=torch.bool, device=dev)
+        s0 = 0 if cache is None else cache.length
+        if positions is None:
+            positions = valid.long().cumsum(1) - 1 + (0 if cache is None else cache.next_pos[:, None])
+            positions = positions.clamp(min=0)  # (B, T)
+        if cache is None:
+            key_valid = valid  # (B, S) with S = T
+        else:
+            if s0 + T > cache.max_len:
+                raise ValueError(f"KV cache full: {s0} + {T} tokens > max_len {cache.max_len}")
+            cache.valid[:, s0:s0 + T] = valid
+            key_valid = cache.valid[:, :s0 + T]  # (B, S)
+        q_slot = torch.arange(s0, s0 + T, device=dev)
+        k_slot = torch.arange(s0 + T, device=dev)
+        causal = k_slot[None, :] <= q_slot[:, None]  # (T, S)
+        # a padding query attends to itself only, so no softmax row is empty (its output is unused)
+        mask = (causal & key_valid[:, None, :]) | (k_slot[None, :] == q_slot[:, None])  # (B, T, S)
+        mask = mask[:, None]  # (B, 1, T, S)
+
+        cfg = self.config
+        x = self.model.embed_tokens(input_ids)  # (B, T, d)
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=dev).float() / cfg.head_dim))
+        freqs = positions[:, :, None].float() * inv_freq  # (B, T, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for i, block in enumerate(self.model.layers):
+            x = block(x, cos, sin, mask, cache, i)
+        if cache is not None:
+            cache.length += T
+            cache.next_pos += valid.sum(1)
+        return self.model.norm(x)
+
+    def forward(self, input_ids, cache=None, valid=None, positions=None):
+        """Logits (B, T, V)."""
+        return F.linear(self.hidden(input_ids, cache, valid, positions), self.lm_head_weight)
+
+
+# ----------------------------------------------------------------------------------------------
+# tokenizer
+
+class Tokenizer:
+    """tokenizer.json through `tokenizers`; no special tokens are added implicitly."""
+
+    def __init__(self, path):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"tokenizer file not found: {path}")
+        self.tok = _HFTokenizer.from_file(path)
+        self.path = path
+        # generation ends at <|im_end|> (chat) or <|endoftext|> (base models)
+        self.eos_ids = [i for i in (self.tok.token_to_id("<|im_end|>"), self.tok.token_to_id("<|endoftext|>"))
+                        if i is not None]
+        self.pad_id = self.eos_ids[-1] if self.eos_ids else 0
+
+    def encode(self, text):
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids):
+        return self.tok.decode(list(ids), skip_special_tokens=False)
+
+    def save(self, path):
+        self.tok.save(path)
+
+    @staticmethod
+    def train(texts, vocab_size, path):
+        """Train a byte-level BPE tokenizer (Qwen's kind) with the chat tokens; write tokenizer.json."""
+        tok = _HFTokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(texts, trainer)
+        tok.save(path)
+        return Tokenizer(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# load / save
+
+def _weight_files(path):
+    index = os.path.join(path, "model.safetensors.index.json")
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]  # tensor name -> shard file
+        files = {}
+        for name, shard in weight_map.items():
+            files.setdefault(os.path.join(path, shard), []).append(name)
+        return files
+    if os.path.isfile(single):
+        return {single: None}
+    raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
+
+
+def load(path, device="cpu", dtype=torch.float32):
+    """Load a Hugging Face Qwen2 checkpoint folder -> (model, tokenizer). Strict on every tensor."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"{path}: config.json not found")
+    cfg = Qwen2Config.from_json(cfg_path)
+    tokenizer = Tokenizer(os.path.join(path, "tokenizer.json"))
+    with torch.device("meta"):
+        model = Qwen2(cfg)
+    model = model.to_empty(device=device).to(dtype)  # one allocation, filled tensor by tensor below
+    params = dict(model.named_parameters())
+    filled = set()
+    for file, names in _weight_files(path).items():
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in names if names is not None else f.keys():
+                if name not in params:
+                    raise ValueError(f"{file}: unexpected tensor {name!r} (not a Qwen2 parameter"
+                                     f"{'; lm_head is tied' if name == 'lm_head.weight' else ''})")
+                t = f.get_tensor(name)
+                if tuple(t.shape) != tuple(params[name].shape):
+                    raise ValueError(f"{file}: tensor {name!r} has shape {tuple(t.shape)}, "
+                                     f"expected {tuple(params[name].shape)}")
+                with torch.no_grad():
+                    params[name].copy_(t)
+                filled.add(name)
+    missing = sorted(set(params) - filled)
+    if missing:
+        raise ValueError(f"{path}: checkpoint lacks tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    return model.eval(), tokenizer
+
+
+def save(model, tokenizer, path):
+    """Write config.json, model.safetensors and tokenizer.json to `path` (temp folder, then rename)."""
+    names = {n for n, _ in model.named_parameters()}
+    with torch.device("meta"):
+        expected = {n for n, _ in Qwen2(model.config).named_parameters()}
+    if names != expected:
+        raise ValueError(f"cannot save: parameters {sorted(names ^ expected)[:4]} are not plain Qwen2 "
+                         "(merge or remove the LoRA adapter first)")
+    tmp = path.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    dtype = model.model.embed_tokens.weight.dtype
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(model.config.to_hf_dict(dtype), f, indent=2)
+    state = {n: p.detach().contiguous().cpu() for n, p in model.named_parameters()}
+    save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save(os.path.join(tmp, "tokenizer.json"))
+    old = path.rstrip("/") + ".old"
+    if os.path.exists(path):
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# generation
+
+@torch.no_grad()
+def extend(model, cache, chunks, logits=None):
+    """Append token lists (one per row, any length, possibly empty) to the cache.
+
+    Returns next-token logits (B, V) for every row: from its last new token, or the given
+    `logits` row when its chunk is empty. This is the prefill and the forced-token path.
+    """
+    B = len(chunks)
+    T = max(len(c) for c in chunks)
+    dev = cache.valid.device
+    if T == 0:
+        return logits
+    ids = torch.zeros(B, T, dtype=torch.long, device=dev)
+    valid = torch.zeros(B, T, dtype=torch.bool, device=dev)
+    for i, c in enumerate(chunks):
+        ids[i, :len(c)] = torch.tensor(c, dtype=torch.long)
+        valid[i, :len(c)] = True
+    h = model.hidden(ids, cache, valid)  # (B, T, d)
+    last = (valid.sum(1) - 1).clamp(min=0)  # (B,)
+    new = F.linear(h[torch.arange(B, device=dev), last], model.lm_head_weight).float()  # (B, V)
+    if logits is None:
+        return new
+    has = valid.any(1)[:, None]
+    return torch.where(has, new, logits)
+
+
+def sample(logits, temperature, top_p, generator):
+    """Pick one token per row; returns (tokens (B,), log p(token) under softmax(logits / T))."""
+    if temperature == 0:
+        tok = logits.argmax(-1)
+        logp = torch.log_softmax(logits, -1)
+    else:
+        logp = torch.log_softmax(logits / temperature, -1)  # (B, V)
+        probs = logp.exp()
+        if top_p < 1.0:
+            sp, si = probs.sort(-1, descending=True)  # (B, V)
+            drop = sp.cumsum(-1) - sp > top_p  # keep the smallest prefix with mass >= top_p
+            sp = sp.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(-1, si, sp)
+        tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+@torch.no_grad()
+def decode(model, tokenizer, cache, logits, active, max_new_tokens, *, temperature=0.0, top_p=1.0,
+           generator=None, stop_ids=(), stop_strings=()):
+    """Sample up to `max_new_tokens` per active row, each appended to the cache as it is drawn.
+
+    A row stops after a stop id, once its new text contains a stop string (the token that
+    completes it is kept), or at the cap. Returns (tokens, logprobs, reasons, logits): per row the
+    new token ids, the log-probability of each (see `sample`), why it stopped ("stop_id",
+    "stop_string", "length" or None for inactive rows), and next-token logits (B, V).
+    """
+    B = logits.shape[0]
+    active = list(active)
+    toks, lps, reasons = [[] for _ in range(B)], [[] for _ in range(B)], [None] * B
+    stop_ids = set(stop_ids)
+    window = max((len(s) for s in stop_strings), default=0) + 1
+    dev = cache.valid.device
+    for _ in range(max_new_tokens):
+        if not any(active):
+            break
+        tok, lp = sample(logits, temperature, top_p, generator)
+        tok_l, lp_l = tok.tolist(), lp.tolist()
+        fed = torch.tensor(active, device=dev)[:, None]  # (B, 1)
+        for i in range(B):
+            if not active[i]:
+                continue
+            toks[i].append(tok_l[i])
+            lps[i].append(lp_l[i])
+            if tok_l[i] in stop_ids:
+                reasons[i] = "stop_id"
+            elif stop_strings and any(s in tokenizer.decode(toks[i][-window:]) for s in stop_strings):
+                reasons[i] = "stop_string"
+            elif len(toks[i]) == max_new_tokens:
+                reasons[i] = "length"
+            active[i] = reasons[i] is None
+        h = model.hidden(tok[:, None], cache, fed)  # (B, 1, d)
+        logits = torch.where(fed, F.linear(h[:, 0], model.lm_head_weight).float(), logits)  # (B, V)
+    return toks, lps, reasons, logits
+
+
+def generate(model, tokenizer, prompts, max_new_tokens, *, temperature=0.0, top_p=1.0, generator=None,
+             stop_ids=None, stop_strings=()):
+    """Batched generation for ragged prompts (lists of token ids) -> (tokens, logprobs, reasons)."""
+    cache = model.new_cache(len(prompts), max(len(p) for p in prompts) + max_new_tokens + 1)
+    logits = extend(model, cache, prompts)
+    toks, lps, reasons, _ = decode(
+        model, tokenizer, cache, logits, [True] * len(prompts), max_new_tokens,
+        temperature=temperature, top_p=top_p, generator=generator,
+        stop_ids=tokenizer.eos_ids if stop_ids is None else stop_ids, stop_strings=stop_strings)
+    return toks, lps, reasons
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit("usage: python model.py CHECKPOINT_DIR MESSAGE")
+    model, tok = load(sys.argv[1])
+    out, _, _ = generate(model, tok, [tok.encode(chat_prompt(sys.argv[2]))], 64)
+    print(tok.decode(out[0]))

@@ -1,0 +1,307 @@
+"""BM25 retrieval in numpy alone: the search engine the agent calls.
+
+Scoring is Lucene's BM25 (Robertson et al.; the variant Pyserini runs, which Search-R1's BM25
+setting used), with k1 = 0.9 and b = 0.4 by default:
+    idf(t)      = ln(1 + (N - df(t) + 0.5) / (df(t) + 0.5))
+    s(t, d)     = idf(t) * tf(t,d) * (k1 + 1) / (tf(t,d) + k1 * (1 - b + b * dl(d) / avgdl))
+    score(q, d) = sum over distinct query terms t of count(t in q) * s(t, d)
+(repeated query words count once per occurrence, as Pyserini's bag-of-words query does).
+
+Analysis, identical for documents and queries: lowercase, words = the unicode pattern \\w+,
+Lucene's 33 English stopwords removed, NO stemming (Pyserini stems with Porter; we do not, so
+scores differ from Pyserini's on inflected words). dl counts the non-stopword tokens.
+
+The index is plain .npy arrays plus meta.json, memory-mapped at load (no pickle):
+    postings by term (CSR): indptr (n_terms + 1), docs (int32), scores (float32, s(t, d) above)
+    vocabulary: one utf-8 blob + offsets; documents: one utf-8 blob (id, title, text) + offsets.
+It is built in bounded memory: the corpus is streamed in chunks, each chunk's sorted postings
+are spilled to disk, then merged into the CSR arrays; memory grows with the vocabulary and the
+document count, never with the corpus text. Everything is written into INDEX_DIR.tmp, renamed
+at the end.
+
+Defined behaviour: a query with only stopwords or unknown words returns []; only documents
+that share a term with the query are returned, so k larger than the corpus returns fewer than k;
+ties are broken by lower document index; an empty corpus, a malformed line (file:line named),
+a duplicate document id (both lines named) and a missing or inconsistent index file are errors.
+
+Left out: stemming, phrase and field queries, dense retrieval, incremental index updates.
+
+    python retriever.py build CORPUS.jsonl INDEX_DIR
+    python retriever.py search INDEX_DIR "who founded the city of Paris" [-k 3]
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+
+import numpy as np
+from tqdm import tqdm
+
+STOPWORDS = frozenset(
+    "a an and are as at be but by for if in into is it no not of on or such that the their then "
+    "there these they this to was will with".split())  # Lucene's EnglishAnalyzer list
+WORD = re.compile(r"\w+")
+FORMAT_VERSION = 1
+CHUNK_DOCS = 100_000  # documents per spilled postings run
+
+
+def analyze(text):
+    """Lowercase unicode words, stopwords removed: the tokens BM25 sees."""
+    return [w for w in WORD.findall(text.lower()) if w not in STOPWORDS]
+
+
+def format_docs(docs):
+    """Search-R1's observation block for a list of (title, text)."""
+    return "".join(f"Doc {i}(Title: {title}) {text}\n" for i, (title, text) in enumerate(docs, 1))
+
+
+def read_corpus(path):
+    """Yield (line_no, id, title, text) from FlashRAG JSON lines (`contents` or `title`/`text`)."""
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                if "contents" in rec:
+                    title, _, text = rec["contents"].partition("\n")
+                    title = title.strip().strip('"')
+                else:
+                    title, text = rec["title"], rec["text"]
+                yield line_no, str(rec.get("id", line_no)), title, text
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"{path}:{line_no}: malformed corpus line ({type(e).__name__}: {e})") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# build
+
+def _spill(run_dir, k, term_ids, local_docs, doc_base, n_docs_chunk):
+    """Sort one chunk's (term, doc) tokens into unique postings with tf; save as a run file."""
+    key = term_ids.astype(np.int64) * n_docs_chunk + local_docs  # (n_tokens,)
+    key, tf = np.unique(key, return_counts=True)  # sorted by term, then doc
+    run = np.stack([key // n_docs_chunk, key % n_docs_chunk + doc_base, tf]).astype(np.int32)  # (3, P)
+    np.save(os.path.join(run_dir, f"run{k}.npy"), run)
+
+
+def build_index(corpus_path, index_dir, k1=0.9, b=0.4, chunk_docs=CHUNK_DOCS):
+    """Stream `corpus_path` into a BM25 index folder `index_dir` (written as .tmp, then renamed)."""
+    tmp = index_dir.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(os.path.join(tmp, "runs"))
+    vocab = dict.fromkeys(STOPWORDS, -1)  # term -> id; stopwords map to -1 and are dropped
+    doc_len, doc_off, id_hash = [], [0], []
+    n_runs, n_docs = 0, 0
+    chunk_terms, chunk_lens = [], []
+    with open(os.path.join(tmp, "docs.bin"), "wb") as store:
+        for line_no, doc_id, title, text in tqdm(read_corpus(corpus_path), desc="index", unit=" docs"):
+            for field in (doc_id, title, text):
+                data = field.encode("utf-8")
+                store.write(data)
+                doc_off.append(doc_off[-1] + len(data))
+            id_hash.append(int.from_bytes(hashlib.blake2b(doc_id.encode(), digest_size=8).digest(), "little", signed=True))
+            words = WORD.findall(f"{title} {text}".lower())
+            ids = [vocab.setdefault(w, len(vocab) - len(STOPWORDS)) for w in words]
+            ids = [i for i in ids if i >= 0]
+            chunk_terms.extend(ids)
+            chunk_lens.append(len(ids))
+            n_docs += 1
+            if len(chunk_lens) == chunk_docs:
+                _flush(tmp, n_runs, chunk_terms, chunk_lens, n_docs, doc_len)
+                n_runs, chunk_terms, chunk_lens = n_runs + 1, [], []
+        if chunk_lens:
+            _flush(tmp, n_runs, chunk_terms, chunk_lens, n_docs, doc_len)
+            n_runs += 1
+    if n_docs == 0:
+        shutil.rmtree(tmp)
+        raise ValueError(f"{corpus_path}: the corpus has no documents")
+    _check_unique_ids(np.array(id_hash, dtype=np.int64), corpus_path, tmp, np.array(doc_off, dtype=np.int64))
+
+    dl = np.concatenate(doc_len).astype(np.float32)  # (N,)
+    n_terms = len(vocab) - len(STOPWORDS)
+    df = np.zeros(n_terms, dtype=np.int64)
+    for k in range(n_runs):
+        run = np.load(os.path.join(tmp, "runs", f"run{k}.npy"), mmap_mode="r")
+        df += np.bincount(run[0], minlength=n_terms)
+    indptr = np.zeros(n_terms + 1, dtype=np.int64)
+    np.cumsum(df, out=indptr[1:])
+    n_post = int(indptr[-1])
+    avgdl = float(dl.mean())
+    idf = np.log1p((n_docs - df + 0.5) / (df + 0.5)).astype(np.float32)  # (n_terms,)
+    norm = (k1 * (1 - b + b * dl / avgdl)).astype(np.float32)  # (N,)
+    docs = np.lib.format.open_memmap(os.path.join(tmp, "docs.npy"), "w+", np.int32, (n_post,))
+    scores = np.lib.format.open_memmap(os.path.join(tmp, "scores.npy"), "w+", np.float32, (n_post,))
+    fill = indptr[:-1].copy()  # next write position per term
+    for k in tqdm(range(n_runs), desc="merge", unit=" runs"):
+        path = os.path.join(tmp, "runs", f"run{k}.npy")
+        t, d, tf = np.load(path)  # each (P,), sorted by term
+        counts = np.bincount(t, minlength=n_terms)
+        starts = np.cumsum(counts) - counts  # first index of each term's group in this run
+        pos = fill[t] + (np.arange(len(t)) - starts[t])  # (P,) destination in the CSR arrays
+        tf = tf.astype(np.float32)
+        docs[pos] = d
+        scores[pos] = idf[t] * tf * (k1 + 1) / (tf + norm[d])
+        fill += counts
+        os.remove(path)
+    docs.flush()
+    scores.flush()
+    del docs, scores
+    os.rmdir(os.path.join(tmp, "runs"))
+    np.save(os.path.join(tmp, "indptr.npy"), indptr)
+    np.save(os.path.join(tmp, "doc_offsets.npy"), np.array(doc_off, dtype=np.int64))
+    terms = sorted(((i, w) for w, i in vocab.items() if i >= 0))
+    blob = [w.encode("utf-8") for _, w in terms]
+    np.save(os.path.join(tmp, "vocab_offsets.npy"), np.cumsum([0] + [len(x) for x in blob]).astype(np.int64))
+    with open(os.path.join(tmp, "vocab.bin"), "wb") as f:
+        f.write(b"".join(blob))
+    meta = dict(format=FORMAT_VERSION, k1=k1, b=b, n_docs=n_docs, n_terms=n_terms, n_postings=n_post,
+                avgdl=avgdl, corpus=os.path.abspath(corpus_path))
+    with open(os.path.join(tmp, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    if os.path.exists(index_dir):
+        shutil.rmtree(index_dir)
+    os.replace(tmp, index_dir)
+    return meta
+
+
+def _flush(tmp, k, chunk_terms, chunk_lens, n_docs, doc_len):
+    lens = np.array(chunk_lens, dtype=np.int64)
+    local = np.repeat(np.arange(len(lens)), lens)  # (n_tokens,) doc index within the chunk
+    _spill(os.path.join(tmp, "runs"), k, np.array(chunk_terms, dtype=np.int64), local,
+           n_docs - len(lens), len(lens))
+    doc_len.append(lens)
+
+
+def _check_unique_ids(h, corpus_path, tmp, doc_off):
+    order = np.argsort(h, kind="stable")
+    dup = np.nonzero(h[order][1:] == h[order][:-1])[0]
+    blob = np.memmap(os.path.join(tmp, "docs.bin"), dtype=np.uint8, mode="r") if len(dup) else None
+    for j in dup:
+        a, c = order[j], order[j + 1]
+        ida = bytes(blob[doc_off[3 * a]:doc_off[3 * a + 1]])
+        if ida == bytes(blob[doc_off[3 * c]:doc_off[3 * c + 1]]):
+            shutil.rmtree(tmp)
+            raise ValueError(f"{corpus_path}: duplicate document id {ida.decode()!r} "
+                             f"(documents {a + 1} and {c + 1}, counting non-empty lines)")
+
+
+# ----------------------------------------------------------------------------------------------
+# search
+
+class Index:
+    """A loaded, memory-mapped BM25 index; see `load_index`."""
+
+    def __init__(self, index_dir):
+        meta_path = os.path.join(index_dir, "meta.json")
+        if not os.path.isfile(meta_path):
+            raise FileNotFoundError(f"{index_dir}: not a BM25 index (meta.json missing)")
+        with open(meta_path) as f:
+            self.meta = meta = json.load(f)
+        if meta.get("format") != FORMAT_VERSION:
+            raise ValueError(f"{meta_path}: index format {meta.get('format')}, expected {FORMAT_VERSION}")
+        arrays = {}
+        want = {"indptr": meta["n_terms"] + 1, "docs": meta["n_postings"], "scores": meta["n_postings"],
+                "doc_offsets": 3 * meta["n_docs"] + 1, "vocab_offsets": meta["n_terms"] + 1}
+        for name, n in want.items():
+            path = os.path.join(index_dir, name + ".npy")
+            try:
+                arrays[name] = np.load(path, mmap_mode="r")
+            except (OSError, ValueError) as e:
+                raise ValueError(f"{path}: missing or corrupt index array ({e})") from None
+            if arrays[name].shape != (n,):
+                raise ValueError(f"{path}: shape {arrays[name].shape}, meta.json says ({n},)")
+        self.indptr = np.asarray(arrays["indptr"])
+        self.docs, self.scores = arrays["docs"], arrays["scores"]
+        self.doc_offsets = arrays["doc_offsets"]
+        if self.indptr[-1] != meta["n_postings"]:
+            raise ValueError(f"{index_dir}/indptr.npy: ends at {self.indptr[-1]}, expected {meta['n_postings']}")
+        for name, off in (("docs.bin", self.doc_offsets[-1]), ("vocab.bin", arrays["vocab_offsets"][-1])):
+            if os.path.getsize(os.path.join(index_dir, name)) != off:
+                raise ValueError(f"{index_dir}/{name}: size {os.path.getsize(os.path.join(index_dir, name))}, expected {off}")
+        self.blob = np.memmap(os.path.join(index_dir, "docs.bin"), dtype=np.uint8, mode="r")
+        with open(os.path.join(index_dir, "vocab.bin"), "rb") as f:
+            raw = f.read()
+        vo = arrays["vocab_offsets"].tolist()
+        self.vocab = {raw[vo[i]:vo[i + 1]].decode("utf-8"): i for i in range(meta["n_terms"])}
+        self.n_docs = meta["n_docs"]
+        self._acc = np.zeros(self.n_docs, dtype=np.float32)  # score accumulator, all-zero between queries
+
+    def __len__(self):
+        return self.n_docs
+
+    def _field(self, i, j):
+        o = self.doc_offsets
+        return bytes(self.blob[o[3 * i + j]:o[3 * i + j + 1]]).decode("utf-8")
+
+    def doc(self, i):
+        """(title, text) of document i."""
+        return self._field(i, 1), self._field(i, 2)
+
+    def doc_id(self, i):
+        return self._field(i, 0)
+
+    def search_one(self, query, k):
+        """Top-k (doc index, score) for one query string, best first, ties to the lower index."""
+        counts = {}
+        for w in analyze(query):
+            t = self.vocab.get(w)
+            if t is not None:
+                counts[t] = counts.get(t, 0) + 1
+        if not counts or k <= 0:
+            return []
+        acc, parts = self._acc, []
+        for t, c in counts.items():
+            lo, hi = self.indptr[t], self.indptr[t + 1]
+            d = self.docs[lo:hi]  # (df,) each document once
+            acc[d] += self.scores[lo:hi] if c == 1 else c * self.scores[lo:hi]
+            parts.append(d)
+        cand = parts[0] if len(parts) == 1 else np.concatenate(parts)  # (P,) docs, repeats allowed
+        vals = acc[cand]
+        acc[cand] = 0.0
+        m = k * len(parts)  # a document repeats at most len(parts) times in cand
+        if len(vals) > m:
+            thresh = np.partition(vals, len(vals) - m)[len(vals) - m]
+            keep = vals >= thresh  # all ties at the threshold stay in
+            cand, vals = cand[keep], vals[keep]
+        cand, first = np.unique(cand, return_index=True)
+        vals = vals[first]
+        order = np.lexsort((cand, -vals))[:k]
+        return list(zip(cand[order].tolist(), vals[order].tolist()))
+
+    def search(self, queries, k):
+        """Batch search: one list of (doc index, score) per query."""
+        return [self.search_one(q, k) for q in queries]
+
+
+def load_index(index_dir):
+    return Index(index_dir)
+
+
+def main():
+    ap = argparse.ArgumentParser(description="numpy BM25 (Lucene variant)")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build")
+    b.add_argument("corpus")
+    b.add_argument("index_dir")
+    b.add_argument("--k1", type=float, default=0.9)
+    b.add_argument("--b", type=float, default=0.4)
+    s = sub.add_parser("search")
+    s.add_argument("index_dir")
+    s.add_argument("query")
+    s.add_argument("-k", type=int, default=3)
+    args = ap.parse_args()
+    if args.cmd == "build":
+        print(json.dumps(build_index(args.corpus, args.index_dir, args.k1, args.b)))
+    else:
+        index = load_index(args.index_dir)
+        hits = index.search([args.query], args.k)[0]
+        for i, score in hits:
+            print(f"[{score:.3f}] #{i} id={index.doc_id(i)}")
+        print(format_docs([index.doc(i) for i, _ in hits]), end="")
+
+
+if __name__ == "__main__":
+    main()

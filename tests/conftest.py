@@ -1,0 +1,56 @@
+"""Shared test fixtures: a small byte-level BPE tokenizer and random tiny Qwen2 checkpoints."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import model as M  # noqa: E402
+
+WORDS = ("the search engine returns documents about cities people rivers companies founded born "
+         "capital country answer question think information who which where when what year "
+         "Paris London Tokyo Ada Lovelace Alan Turing river mountain lake 1815 1912 42").split()
+
+
+def tiny_texts(n=400, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(len(WORDS), (n, 12), generator=g).tolist()
+    tags = ["<think>", "</think>", "<search>", "</search>", "<answer>", "</answer>",
+            "<information>", "</information>", "Doc 1(Title: x)"]
+    return [" ".join(WORDS[i] for i in row) + " " + tags[k % len(tags)] for k, row in enumerate(idx)]
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    return M.Tokenizer.train(tiny_texts(), 400, str(path))
+
+
+def tiny_config(**kw):
+    base = dict(vocab_size=400, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0)
+    base.update(kw)
+    return M.Qwen2Config(**base)
+
+
+def random_model(cfg, seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    model = M.Qwen2(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)  # non-trivial norms
+            else:
+                p.normal_(0.0, 0.08 if p.dim() > 1 else 0.02)
+    return model.to(dtype).eval()
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path, tokenizer):
+    """A folder holding a random tiny Qwen2 checkpoint written by model.save."""
+    model = random_model(tiny_config())
+    path = str(tmp_path / "ckpt")
+    M.save(model, tokenizer, path)
+    return path

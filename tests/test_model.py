@@ -1,0 +1,168 @@
+"""model.py against transformers' Qwen2ForCausalLM (the independent reference)."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import model as M
+from conftest import random_model, tiny_config
+
+transformers = pytest.importorskip("transformers")
+
+
+def hf_model(path):
+    return transformers.Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def padded_batch(lengths, vocab, seed=0):
+    """Left-padded ids, attention mask and positions, as transformers expects them."""
+    g = torch.Generator().manual_seed(seed)
+    T = max(lengths)
+    ids = torch.randint(3, vocab, (len(lengths), T), generator=g)
+    mask = torch.zeros(len(lengths), T, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        mask[i, T - n:] = 1
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    return ids, mask, pos
+
+
+@pytest.mark.parametrize("tied,heads,kv", [(False, 4, 4), (True, 4, 2), (False, 7, 1), (True, 14, 2)])
+def test_logits_match_transformers(tmp_path, tokenizer, tied, heads, kv):
+    """Logits equal Qwen2ForCausalLM (tied/untied, kv ratios 1, 2, 7) on a padded batch, <= 1e-4."""
+    cfg = tiny_config(num_attention_heads=heads, num_key_value_heads=kv, hidden_size=16 * heads,
+                      tie_word_embeddings=tied)
+    ours = random_model(cfg, seed=heads + kv)
+    M.save(ours, tokenizer, str(tmp_path / "m"))
+    ref = hf_model(str(tmp_path / "m"))
+    ids, mask, pos = padded_batch([9, 5, 1], cfg.vocab_size)
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        got = ours(ids, valid=mask.bool())
+    keep = mask.bool()
+    assert (got[keep] - want[keep]).abs().max() <= 1e-4
+
+
+def test_load_checkpoint_written_by_transformers(tmp_path, tokenizer):
+    """A checkpoint saved by transformers loads strictly and gives its logits."""
+    hcfg = transformers.Qwen2Config(vocab_size=400, hidden_size=64, intermediate_size=96,
+                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                    rope_theta=5000.0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    ref = transformers.Qwen2ForCausalLM(hcfg).eval()
+    ref.save_pretrained(str(tmp_path))
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    ours, _ = M.load(str(tmp_path))
+    assert ours.config.rope_theta == 5000.0
+    ids = torch.randint(0, 400, (2, 11))
+    with torch.no_grad():
+        assert (ours(ids) - ref(ids).logits).abs().max() <= 1e-4
+
+
+def test_kv_cache_matches_full_forward(tiny_checkpoint):
+    """Prefill + one-token steps through the KV cache give the full forward's logits."""
+    model, _ = M.load(tiny_checkpoint)
+    ids = torch.randint(3, 400, (3, 20))
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache(3, 32)
+        steps = [model(ids[:, :7], cache)] + [model(ids[:, t:t + 1], cache) for t in range(7, 20)]
+    assert (torch.cat(steps, 1) - full).abs().max() <= 1e-5
+
+
+def test_ragged_extend_matches_single_rows(tiny_checkpoint):
+    """Right-padded ragged chunks appended to a cache equal each row run alone."""
+    model, _ = M.load(tiny_checkpoint)
+    rows = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+    more = [[20, 21], [], [22, 23, 24, 25]]
+    cache = model.new_cache(3, 20)
+    logits = M.extend(model, cache, rows)
+    logits = M.extend(model, cache, more, logits)
+    for i in range(3):
+        with torch.no_grad():
+            alone = model(torch.tensor([rows[i] + more[i]]))[0, -1]
+        assert (logits[i] - alone).abs().max() <= 1e-5
+
+
+def test_greedy_generation_matches_transformers(tiny_checkpoint, tokenizer):
+    """32 greedy tokens on a ragged batch equal transformers' generate, token for token."""
+    model, _ = M.load(tiny_checkpoint)
+    ref = hf_model(tiny_checkpoint)
+    prompts = [tokenizer.encode(M.chat_prompt(q)) for q in
+               ["who founded Paris?", "which river", "Ada Lovelace was born in which year and where?"]]
+    ours, lps, reasons = M.generate(model, tokenizer, prompts, 32, stop_ids=[])
+    ids, mask, _ = padded_batch([len(p) for p in prompts], 400)
+    for i, p in enumerate(prompts):
+        ids[i, ids.shape[1] - len(p):] = torch.tensor(p)
+    out = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32, min_new_tokens=32,
+                       do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert ours == out[:, ids.shape[1]:].tolist()
+    assert reasons == ["length"] * 3 and all(len(lp) == 32 for lp in lps)
+
+
+def test_sampled_logprobs_equal_full_forward(tiny_checkpoint, tokenizer):
+    """The log-probability recorded for each sampled token equals a fresh forward's."""
+    model, _ = M.load(tiny_checkpoint)
+    prompt = tokenizer.encode(M.chat_prompt("who was born in 1815?"))
+    g = torch.Generator().manual_seed(3)
+    toks, lps, _ = M.generate(model, tokenizer, [prompt], 20, temperature=1.0, generator=g, stop_ids=[])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompt + toks[0]]))[0].float(), -1)
+    want = logp[len(prompt) - 1:-1].gather(-1, torch.tensor(toks[0])[:, None])[:, 0]
+    assert (torch.tensor(lps[0]) - want).abs().max() <= 1e-4
+
+
+def test_sampling_is_seeded(tiny_checkpoint, tokenizer):
+    """The same generator seed gives the same samples; top-p < 1 still samples valid tokens."""
+    model, _ = M.load(tiny_checkpoint)
+    p = [tokenizer.encode("the answer")]
+    runs = [M.generate(model, tokenizer, p * 2, 16, temperature=1.0, top_p=0.9,
+                       generator=torch.Generator().manual_seed(7), stop_ids=[])[0] for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_stop_strings_and_ids(tiny_checkpoint, tokenizer):
+    """A row stops once its text contains a stop string; other rows go on."""
+    model, _ = M.load(tiny_checkpoint)
+    p = [tokenizer.encode("the answer")] * 4
+    free, _, _ = M.generate(model, tokenizer, p, 24, temperature=1.0,
+                            generator=torch.Generator().manual_seed(1), stop_ids=[])
+    text = tokenizer.decode(free[0])
+    stop = text[len(text) // 2: len(text) // 2 + 2]  # a string this row is known to produce
+    toks, _, reasons = M.generate(model, tokenizer, p, 24, temperature=1.0,
+                                  generator=torch.Generator().manual_seed(1), stop_ids=[],
+                                  stop_strings=[stop])
+    assert reasons[0] == "stop_string" and stop in tokenizer.decode(toks[0])
+    assert stop not in tokenizer.decode(toks[0][:-1])
+    toks, _, reasons = M.generate(model, tokenizer, p, 24, temperature=1.0,
+                                  generator=torch.Generator().manual_seed(1), stop_ids=[free[1][3]])
+    assert reasons[1] == "stop_id" and len(toks[1]) <= 4
+
+
+def test_save_roundtrip_and_sharded_load(tmp_path, tiny_checkpoint):
+    """save -> load is exact; the same tensors split over two shards with an index load too."""
+    model, tok = M.load(tiny_checkpoint)
+    state = load_file(os.path.join(tiny_checkpoint, "model.safetensors"))
+    names = sorted(state)
+    shard_dir = tmp_path / "sharded"
+    shard_dir.mkdir()
+    weight_map = {}
+    for k, part in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+        fname = f"model-0000{k + 1}-of-00002.safetensors"
+        save_file({n: state[n] for n in part}, str(shard_dir / fname))
+        weight_map.update({n: fname for n in part})
+    (shard_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    for f in ("config.json", "tokenizer.json"):
+        (shard_dir / f).write_text(open(os.path.join(tiny_checkpoint, f)).read())
+    sharded, _ = M.load(str(shard_dir))
+    ids = torch.randint(0, 400, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(sharded(ids), model(ids))
+
+
+def test_bf16_stays_bf16(tiny_checkpoint):
+    """Loading with dtype=bfloat16 gives bfloat16 parameters."""
+    model, _ = M.load(tiny_checkpoint, dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
