@@ -52,7 +52,7 @@ def peak_rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_ours(corpus, queries, out, q):
+def run_ours(corpus, queries, q):
     idx_dir = os.path.join(os.path.dirname(corpus), "index")
     t0 = time.perf_counter()
     R.build_index(corpus, idx_dir)

@@ -54,3 +54,46 @@ def tiny_checkpoint(tmp_path, tokenizer):
     path = str(tmp_path / "ckpt")
     M.save(model, tokenizer, path)
     return path
+
+
+# ----------------------------------------------------------------------------------------------
+# a tiny agent that speaks the Search-R1 protocol, for rollout / GRPO / OFSD tests
+
+AGENT_QUESTION = "which river flows through Paris"
+
+
+@pytest.fixture(scope="session")
+def search_index(tmp_path_factory):
+    import json
+    import retriever as R
+    d = tmp_path_factory.mktemp("corpus")
+    with open(d / "corpus.jsonl", "w") as f:
+        for i in range(40):
+            text = " ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(i % 9 + 4))
+            f.write(json.dumps({"id": str(i), "contents": f'"Doc{i} {WORDS[i % len(WORDS)]}"\n{text}'}) + "\n")
+    R.build_index(str(d / "corpus.jsonl"), str(d / "index"))
+    return R.load_index(str(d / "index"))
+
+
+@pytest.fixture(scope="session")
+def agent(tokenizer, search_index):
+    """A tiny Qwen2 fine-tuned for a few seconds to search once, then answer (a real model)."""
+    import rollout as RO
+    torch.manual_seed(0)
+    model = random_model(tiny_config(num_hidden_layers=2, hidden_size=64), seed=1)
+    prompt = tokenizer.encode(M.chat_prompt(RO.make_prompt(AGENT_QUESTION)))
+    turn1 = tokenizer.encode("<think> I need to search. </think>\n<search> river Paris </search>")
+    hits = search_index.search(["river Paris"], 3)[0]
+    obs = tokenizer.encode(RO.observation([search_index.doc(i) for i, _ in hits]))
+    turn2 = tokenizer.encode("<think> found it </think>\n<answer> Paris </answer>")
+    ids = torch.tensor([prompt + turn1 + obs + turn2])
+    mask = torch.tensor([[0] * len(prompt) + [1] * len(turn1) + [0] * len(obs) + [1] * len(turn2)]).bool()
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(60):
+        logits = model(ids[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits[mask[:, 1:]], ids[:, 1:][mask[:, 1:]])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()

@@ -1,0 +1,130 @@
+"""GRPO as Search-R1 runs it: exact-match reward, group advantages, PPO-clip loss with k3 KL.
+
+For each question, G trajectories o_1..o_G get reward r_i = EM(answer_i, gold) in {0, 1} and the
+group-relative advantage, shared by every token of o_i:
+    A_i = (r_i - mean(r)) / (std(r) + 1e-6)            (std with Bessel's correction, as veRL)
+so a group with equal rewards gives no policy gradient. The loss per policy-sampled token t is
+    rho_t  = exp(log pi(t) - log pi_old(t))            (pi_old: the rollout's recorded log-probs)
+    pg_t   = max(-A * rho_t, -A * clip(rho_t, 1 - eps, 1 + eps))
+    kl_t   = exp(ref_t - log pi(t)) - (ref_t - log pi(t)) - 1     (k3, clamped to [-10, 10])
+    L      = sum_t loss_mask_t * (pg_t + beta * kl_t) / sum_t loss_mask_t    (token mean)
+with log-probabilities taken from softmax(logits / temperature), the rollout's temperature.
+
+Left out: value models / GAE (GRPO needs none), format rewards (the anchor uses EM only),
+dynamic sampling and length penalties.
+
+    python grpo.py "the Eiffel Tower" "Eiffel Tower" "tower"      # EM of a prediction vs golds
+"""
+
+import re
+import string
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def normalize_answer(s):
+    """Search-R1 / SQuAD normalisation: lowercase, drop punctuation and articles, squeeze spaces."""
+    s = s.lower()
+    s = "".join(ch for ch in s if ch not in set(string.punctuation))
+    s = re.sub(r"\b(a|an|the)\b", " ", s)
+    return " ".join(s.split())
+
+
+def exact_match(prediction, golden_answers):
+    """1.0 when the normalised prediction equals any normalised gold answer, else 0.0."""
+    if prediction is None:
+        return 0.0
+    if isinstance(golden_answers, str):
+        golden_answers = [golden_answers]
+    p = normalize_answer(prediction)
+    return float(any(p == normalize_answer(g) for g in golden_answers))
+
+
+def group_advantages(rewards, group_size, eps=1e-6):
+    """(r - mean) / (std + eps) within consecutive groups of `group_size`: (N,) -> (N,)."""
+    r = torch.as_tensor(rewards, dtype=torch.float32).view(-1, group_size)  # (B, G)
+    if group_size == 1:
+        return torch.zeros(r.numel())
+    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).view(-1)
+
+
+def pad_batch(trajs, pad_id, device):
+    """Right-pad trajectories -> ids, valid, loss_mask (B, T) and the rollout log-probs (B, T)."""
+    T = max(len(t.tokens) for t in trajs)
+    ids = torch.full((len(trajs), T), pad_id, dtype=torch.long)
+    valid = torch.zeros(len(trajs), T, dtype=torch.bool)
+    mask = torch.zeros(len(trajs), T, dtype=torch.bool)
+    old = torch.zeros(len(trajs), T)
+    for i, t in enumerate(trajs):
+        n = len(t.tokens)
+        ids[i, :n] = torch.tensor(t.tokens)
+        valid[i, :n] = True
+        mask[i, :n] = torch.tensor(t.loss_mask, dtype=torch.bool)
+        old[i, :n] = torch.tensor(t.logprobs)
+    return ids.to(device), valid.to(device), mask.to(device), old.to(device)
+
+
+def token_logprobs(model, ids, valid, mask, temperature):
+    """log softmax(logits / temperature) of each token where mask is 1: (n_masked,).
+
+    Logits are computed only at the masked positions (the (B, T, V) tensor is never built).
+    """
+    h = model.hidden(ids, valid=valid)  # (B, T, d)
+    pred = mask[:, 1:]  # token t is predicted from position t - 1
+    h_sel = h[:, :-1][pred]  # (n, d)
+    logits = F.linear(h_sel, model.lm_head_weight).float() / temperature  # (n, V)
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:][pred][:, None]).squeeze(-1)  # (n,)
+
+
+def grpo_token_loss(logp, old_logp, ref_logp, adv, clip_ratio, kl_coef):
+    """Per-token PPO-clip + k3 KL terms, all (n,); returns (loss, pg, kl, clipped indicator)."""
+    ratio = torch.exp(logp - old_logp)
+    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_ratio, 1 + clip_ratio))
+    log_r = (ref_logp - logp).clamp(-20, 20)
+    kl = (torch.exp(log_r) - log_r - 1).clamp(-10, 10)
+    clipped = (ratio - ratio.clamp(1 - clip_ratio, 1 + clip_ratio)).abs() > 0
+    return pg + kl_coef * kl, pg, kl, clipped
+
+
+def grpo_step(model, ref_model, optimizer, trajs, advantages, *, micro_batch, clip_ratio, kl_coef,
+              temperature, max_grad_norm, pad_id):
+    """One optimizer step on `trajs` (a PPO mini-batch): masked token-mean loss, accumulated over
+    micro-batches, gradients all-reduced across ranks when torch.distributed is initialised."""
+    device = model.model.embed_tokens.weight.device
+    n_tokens = torch.tensor(float(sum(sum(t.loss_mask) for t in trajs)), device=device)
+    if dist.is_initialized():
+        dist.all_reduce(n_tokens)
+    optimizer.zero_grad(set_to_none=True)
+    sums = torch.zeros(4, device=device)  # loss, pg, kl, clipped (token sums)
+    for s in range(0, len(trajs), micro_batch):
+        part = trajs[s:s + micro_batch]
+        ids, valid, mask, old = pad_batch(part, pad_id, device)
+        adv = torch.as_tensor(advantages[s:s + micro_batch], dtype=torch.float32, device=device)
+        adv_tok = adv[:, None].expand_as(mask)[:, 1:][mask[:, 1:]]  # (n,) each token its row's advantage
+        old_tok = old[:, 1:][mask[:, 1:]]  # (n,)
+        with torch.no_grad():
+            ref_tok = token_logprobs(ref_model, ids, valid, mask, temperature)
+        logp = token_logprobs(model, ids, valid, mask, temperature)
+        loss, pg, kl, clipped = grpo_token_loss(logp, old_tok, ref_tok, adv_tok, clip_ratio, kl_coef)
+        (loss.sum() / n_tokens).backward()
+        sums += torch.stack([loss.sum(), pg.sum(), kl.sum(), clipped.float().sum()]).detach()
+    params = [p for p in model.parameters() if p.requires_grad]
+    if dist.is_initialized():
+        for p in params:  # each rank's loss is already divided by the global token count: sum
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+        dist.all_reduce(sums)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    optimizer.step()
+    sums /= n_tokens
+    return dict(loss=sums[0].item(), pg=sums[1].item(), kl=sums[2].item(), clip_frac=sums[3].item(),
+                grad_norm=grad_norm.item(), tokens=int(n_tokens.item()))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3:
+        sys.exit("usage: python grpo.py PREDICTION GOLD [GOLD ...]")
+    print(f"normalised: {normalize_answer(sys.argv[1])!r}  EM: {exact_match(sys.argv[1], sys.argv[2:])}")

@@ -1,0 +1,169 @@
+"""Multi-turn search rollouts with loss masks, under the exact Search-R1 protocol.
+
+Protocol (Search-R1, as in METHOD.md): the question goes into the fixed instruction below,
+rendered as one user message with the chat template. The model writes one turn until it closes
+</search> or </answer> (or hits the per-turn cap). The first <search>q</search> or
+<answer>a</answer> of the turn is its action:
+    search  -> "\\n\\n<information>" + top-k documents ("Doc {i}(Title: {title}) {text}\\n") +
+               "</information>\\n\\n" is appended (truncated to the observation cap), and
+               generation continues;
+    answer  -> the trajectory ends;
+    neither -> the fixed invalid-action message is appended and generation continues.
+After `max_turns` such turns, one last turn may only answer (a search there is not executed).
+
+A trajectory is (tokens, loss_mask, logprobs, ...): loss_mask is 1 exactly where the policy
+sampled the token, 0 on the prompt, the observations and the injected messages. GRPO and OFSD
+both use this one definition.
+
+All B questions x G samples run as one batch through one preallocated KV cache: each prompt is
+prefilled once and copied to its G rows; observations are appended to the cache (no prefix is
+recomputed); the retrieval of every searching row of a turn is one batched call.
+
+Left out: asynchronous / continuous batching (finished rows idle until the batch ends), vLLM.
+
+    python rollout.py CHECKPOINT_DIR INDEX_DIR "Who founded the company that makes the iPhone?"
+"""
+
+import re
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+import model as M
+from retriever import format_docs
+
+INSTRUCTION = (
+    "Answer the given question. You must conduct reasoning inside <think> and </think> first every "
+    "time you get new information. After reasoning, if you find you lack some knowledge, you can call "
+    "a search engine by <search> query </search> and it will return the top searched results between "
+    "<information> and </information>. You can search as many times as your want. If you find no "
+    "further external knowledge needed, you can directly provide the answer inside <answer> and "
+    "</answer>, without detailed illustrations. For example, <answer> Beijing </answer>. "
+    "Question: {question}\n")
+INVALID = ("\nMy previous action is invalid. If I want to search, I should put the query between "
+           "<search> and </search>. If I want to give the final answer, I should put the answer "
+           "between <answer> and </answer>. Let me try again.\n")
+INFO_OPEN, INFO_CLOSE = "\n\n<information>", "</information>\n\n"
+STOP_STRINGS = ("</search>", "</answer>")
+ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def make_prompt(question):
+    """Search-R1's user message for a question (stripped, '?' appended when missing)."""
+    q = question.strip()
+    if not q.endswith("?"):
+        q += "?"
+    return INSTRUCTION.format(question=q)
+
+
+def observation(docs):
+    """The text appended after a search: Search-R1's information block."""
+    return INFO_OPEN + format_docs(docs).strip() + INFO_CLOSE
+
+
+def extract_answer(model_text):
+    """The last <answer>...</answer> the model itself wrote, stripped; None when there is none."""
+    found = ANSWER.findall(model_text)
+    return found[-1].strip() if found else None
+
+
+@dataclass
+class Trajectory:
+    question: str
+    prompt_len: int  # tokens[:prompt_len] is the chat-rendered prompt
+    tokens: list = field(default_factory=list)  # prompt + response token ids
+    loss_mask: list = field(default_factory=list)  # 1 where the policy sampled the token
+    logprobs: list = field(default_factory=list)  # log p of each sampled token (0.0 elsewhere)
+    queries: list = field(default_factory=list)  # search queries issued, in order
+    model_text: str = ""  # everything the policy wrote, concatenated
+    answer: str = None  # last <answer> in model_text
+    stop: str = ""  # "answer", "final_turn_without_answer"
+    n_turns: int = 0
+
+    @property
+    def n_search(self):
+        return len(self.queries)
+
+    def add(self, ids, sampled, logprobs=None):
+        self.tokens += ids
+        self.loss_mask += [int(sampled)] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+
+    def render(self, tokenizer):
+        """The response as text, each injected span marked [env>> ... <<env]."""
+        out, start = [], self.prompt_len
+        for i in range(self.prompt_len, len(self.tokens) + 1):
+            if i == len(self.tokens) or self.loss_mask[i] != self.loss_mask[start]:
+                text = tokenizer.decode(self.tokens[start:i])
+                out.append(text if self.loss_mask[start] else f"[env>>{text}<<env]")
+                start = i
+        return "".join(out)
+
+
+@torch.no_grad()
+def rollout(model, tokenizer, retriever, questions, group_size, *, max_turns, max_turn_tokens,
+            max_obs_tokens, top_k, temperature, top_p, generator):
+    """Run len(questions) x group_size trajectories; returns them question-major (q0 g0, q0 g1, ...)."""
+    G = group_size
+    prompts = [tokenizer.encode(M.chat_prompt(make_prompt(q))) for q in questions]
+    trajs = [Trajectory(q, len(p)) for q, p in zip(questions, prompts) for _ in range(G)]
+    for t, p in zip(trajs, (p for p in prompts for _ in range(G))):
+        t.add(p, sampled=False)
+    invalid_ids = tokenizer.encode(INVALID)
+    per_turn_env = max(max_obs_tokens, len(invalid_ids))
+    max_len = max(map(len, prompts)) + (max_turns + 1) * (max_turn_tokens + 1) + max_turns * per_turn_env
+
+    cache = model.new_cache(len(prompts), max_len)
+    logits = M.extend(model, cache, prompts)  # (B, V) prefill once per question
+    cache = cache.repeat_rows(G)  # (B*G rows)
+    logits = logits.repeat_interleave(G, dim=0)  # (B*G, V)
+    active = [True] * len(trajs)
+    for turn in range(max_turns + 1):
+        final = turn == max_turns
+        toks, lps, _, logits = M.decode(
+            model, tokenizer, cache, logits, active, max_turn_tokens, temperature=temperature,
+            top_p=top_p, generator=generator, stop_ids=tokenizer.eos_ids, stop_strings=STOP_STRINGS)
+        searching, chunks = [], [[] for _ in trajs]
+        for i, t in enumerate(trajs):
+            if not active[i]:
+                continue
+            text = tokenizer.decode(toks[i])
+            t.add(toks[i], sampled=True, logprobs=lps[i])
+            t.model_text += text
+            t.n_turns += 1
+            m = ACTION.search(text)
+            if m and m.group(1) == "answer":
+                t.stop, active[i] = "answer", False
+            elif final:
+                t.stop, active[i] = "final_turn_without_answer", False
+            elif m:
+                t.queries.append(m.group(2).strip())
+                searching.append(i)
+            else:
+                chunks[i] = invalid_ids
+            t.answer = extract_answer(t.model_text)
+        if searching:
+            hits = retriever.search([trajs[i].queries[-1] for i in searching], top_k)  # one batched call
+            for i, h in zip(searching, hits):
+                chunks[i] = tokenizer.encode(observation([retriever.doc(d) for d, _ in h]))[:max_obs_tokens]
+        for i, c in enumerate(chunks):
+            if c:
+                trajs[i].add(c, sampled=False)
+        logits = M.extend(model, cache, chunks, logits)
+        if not any(active):
+            break
+    return trajs
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4:
+        sys.exit("usage: python rollout.py CHECKPOINT_DIR INDEX_DIR QUESTION")
+    from retriever import load_index
+    policy, tok = M.load(sys.argv[1])
+    (traj,) = rollout(policy, tok, load_index(sys.argv[2]), [sys.argv[3]], 1, max_turns=4,
+                      max_turn_tokens=500, max_obs_tokens=500, top_k=3, temperature=0.0, top_p=1.0,
+                      generator=None)
+    print(traj.render(tok))
+    print(f"answer: {traj.answer!r}  searches: {traj.n_search}  stop: {traj.stop}")

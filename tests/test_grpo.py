@@ -1,0 +1,92 @@
+"""grpo.py: Search-R1's exact match, group advantages and the GRPO loss, by hand."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+import grpo as GR
+from conftest import AGENT_QUESTION
+from test_rollout import run
+
+
+@pytest.mark.parametrize("pred,golds,want", [
+    ("The Eiffel Tower", ["eiffel tower"], 1.0),            # article and case
+    ("  eiffel   tower. ", ["Eiffel Tower"], 1.0),          # whitespace and punctuation
+    ("an apple", ["Apple Inc."], 0.0),                      # "inc" is not dropped
+    ("Apple, Inc", ["apple inc."], 1.0),
+    ("Paris", ["Lyon", "paris", "Nice"], 1.0),              # any gold answer
+    ("Paris", "Paris", 1.0),                                # a single gold string
+    ("theatre", ["atre"], 0.0),                             # articles only as whole words
+    ("Paris France", ["Paris"], 0.0),                       # exact, not contains
+    (None, ["Paris"], 0.0),                                 # no answer tag
+])
+def test_exact_match_cases(pred, golds, want):
+    """EM behaves like Search-R1's on articles, punctuation, case, spaces and several golds."""
+    assert GR.exact_match(pred, golds) == want
+
+
+def test_prompt_example_is_not_an_answer():
+    """A response without its own <answer> scores 0 even though the prompt shows <answer> Beijing."""
+    import rollout as RO
+    assert RO.extract_answer("<think> hmm </think> I think it is Beijing") is None
+    assert GR.exact_match(RO.extract_answer("no tag, Beijing"), ["Beijing"]) == 0.0
+
+
+def test_group_advantages_by_hand():
+    """(r - mean) / (std + 1e-6) per group with Bessel's std; equal rewards give 0."""
+    adv = GR.group_advantages([1, 0, 0, 1, 1, 0, 0, 0, 0, 0], 5)
+    s = math.sqrt(0.3)  # unbiased std of [1, 0, 0, 1, 1]
+    want = [0.4 / s, -0.6 / s, -0.6 / s, 0.4 / s, 0.4 / s] + [0.0] * 5
+    assert torch.allclose(adv, torch.tensor(want), atol=1e-5)
+
+
+def test_token_loss_by_hand():
+    """PPO-clip and k3 KL terms equal values computed by hand."""
+    logp = torch.tensor([-1.0, -2.0, -0.5])
+    old = torch.tensor([-1.5, -1.0, -0.5])
+    ref = torch.tensor([-1.0, -2.5, -0.4])
+    adv = torch.tensor([1.0, -2.0, 0.5])
+    loss, pg, kl, clipped = GR.grpo_token_loss(logp, old, ref, adv, clip_ratio=0.2, kl_coef=0.1)
+    r = [math.exp(0.5), math.exp(-1.0), 1.0]
+    want_pg = [max(-1.0 * r[0], -1.0 * 1.2), max(2.0 * r[1], 2.0 * 0.8), -0.5]
+    want_kl = [0.0, math.exp(-0.5) + 0.5 - 1, math.exp(0.1) - 0.1 - 1]
+    assert torch.allclose(pg, torch.tensor(want_pg), atol=1e-6)
+    assert torch.allclose(kl, torch.tensor(want_kl), atol=1e-6)
+    assert torch.allclose(loss, torch.tensor(want_pg) + 0.1 * torch.tensor(want_kl), atol=1e-6)
+    assert clipped.tolist() == [True, True, False]
+
+
+def test_policy_equal_to_reference(agent, tokenizer, search_index):
+    """On fresh rollouts with policy = reference: ratio = 1, KL = 0, pg = -mean token advantage."""
+    trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION, "Ada"], G=3, temperature=1.0,
+                generator=torch.Generator().manual_seed(0))
+    ids, valid, mask, old = GR.pad_batch(trajs, 0, "cpu")
+    with torch.no_grad():
+        logp = GR.token_logprobs(agent, ids, valid, mask, 1.0)
+    assert (logp - old[:, 1:][mask[:, 1:]]).abs().max() <= 1e-4
+    policy = copy.deepcopy(agent)
+    adv = [1.0, -1.0, 0.5, 0.0, 2.0, -0.5]
+    opt = torch.optim.SGD(policy.parameters(), lr=0.001)
+    m = GR.grpo_step(policy, agent, opt, trajs, adv, micro_batch=4, clip_ratio=0.2, kl_coef=0.001,
+                     temperature=1.0, max_grad_norm=1.0, pad_id=0)
+    lengths = [sum(t.loss_mask) for t in trajs]
+    want_pg = -sum(a * n for a, n in zip(adv, lengths)) / sum(lengths)
+    assert abs(m["kl"]) <= 1e-6 and m["clip_frac"] == 0.0 and abs(m["pg"] - want_pg) <= 1e-4
+
+
+def test_step_moves_toward_advantaged_samples(agent, tokenizer, search_index):
+    """A GRPO step raises the log-prob of positive-advantage trajectories (real gradient)."""
+    trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION], G=4, temperature=1.0,
+                generator=torch.Generator().manual_seed(1))
+    policy = copy.deepcopy(agent)
+    adv = [1.0, 1.0, 1.0, 1.0]
+    opt = torch.optim.SGD(policy.parameters(), lr=0.001)
+    ids, valid, mask, _ = GR.pad_batch(trajs, 0, "cpu")
+    with torch.no_grad():
+        before = GR.token_logprobs(policy, ids, valid, mask, 1.0).sum()
+    GR.grpo_step(policy, agent, opt, trajs, adv, micro_batch=2, clip_ratio=0.2, kl_coef=0.001,
+                 temperature=1.0, max_grad_norm=1.0, pad_id=0)
+    with torch.no_grad():
+        assert GR.token_logprobs(policy, ids, valid, mask, 1.0).sum() > before

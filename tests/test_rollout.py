@@ -1,0 +1,112 @@
+"""rollout.py: masks, recorded log-probs, batching, turn limits and the invalid-action message."""
+
+import pytest
+import torch
+
+import model as M
+import rollout as RO
+from conftest import AGENT_QUESTION, random_model, tiny_config
+
+
+def run(model, tok, index, questions, G=1, **kw):
+    args = dict(max_turns=4, max_turn_tokens=40, max_obs_tokens=400, top_k=3, temperature=0.0,
+                top_p=1.0, generator=None)
+    args.update(kw)
+    return RO.rollout(model, tok, index, questions, G, **args)
+
+
+def segments(t):
+    """[(sampled, start, end)] runs of equal loss_mask over the response."""
+    out, s = [], t.prompt_len
+    for i in range(t.prompt_len + 1, len(t.tokens) + 1):
+        if i == len(t.tokens) or t.loss_mask[i] != t.loss_mask[s]:
+            out.append((t.loss_mask[s], s, i))
+            s = i
+    return out
+
+
+def test_prompt_is_search_r1s():
+    """The user message is Search-R1's instruction; '?' is appended when missing."""
+    p = RO.make_prompt("  who founded Paris ")
+    assert p.startswith("Answer the given question. You must conduct reasoning inside <think>")
+    assert p.endswith("<answer> Beijing </answer>. Question: who founded Paris?\n")
+    assert RO.make_prompt("why?").endswith("Question: why?\n")
+
+
+def test_trained_agent_searches_then_answers(agent, tokenizer, search_index):
+    """Greedy rollout of the tiny agent: one search, the observation block, then an answer."""
+    (t,) = run(agent, tokenizer, search_index, [AGENT_QUESTION])
+    assert t.queries == ["river Paris"] and t.answer == "Paris" and t.stop == "answer"
+    assert "[env>>\n\n<information>Doc 1(Title: " in t.render(tokenizer)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_masks_split_model_text_from_environment(agent, tokenizer, search_index, seed):
+    """Masked-in tokens decode to the model's own text; masked-out ones to prompt + observations."""
+    trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION], G=4, temperature=1.0,
+                generator=torch.Generator().manual_seed(seed))
+    for t in trajs:
+        assert t.loss_mask[:t.prompt_len] == [0] * t.prompt_len
+        mine = [x for x, m in zip(t.tokens, t.loss_mask) if m]
+        assert tokenizer.decode(mine) == t.model_text
+        queries = iter(t.queries)
+        for sampled, s, e in segments(t):
+            if not sampled:
+                text = tokenizer.decode(t.tokens[s:e])
+                if text != RO.INVALID:
+                    hits = search_index.search([next(queries)], 3)[0]
+                    assert text == RO.observation([search_index.doc(i) for i, _ in hits])
+        assert tokenizer.decode(t.tokens[:t.prompt_len]) == M.chat_prompt(RO.make_prompt(AGENT_QUESTION))
+
+
+def test_logprobs_equal_full_forward(agent, tokenizer, search_index):
+    """Log-probs recorded while sampling equal a fresh forward over the whole trajectory (1e-4)."""
+    trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION, "who founded Tokyo"], G=3, temperature=1.0,
+                generator=torch.Generator().manual_seed(0))
+    for t in trajs:
+        with torch.no_grad():
+            logp = torch.log_softmax(agent(torch.tensor([t.tokens]))[0].float(), -1)  # (T, V)
+        ids = torch.tensor(t.tokens)
+        want = logp[:-1].gather(-1, ids[1:, None])[:, 0]
+        m = torch.tensor(t.loss_mask[1:]).bool()
+        assert (torch.tensor(t.logprobs[1:])[m] - want[m]).abs().max() <= 1e-4
+
+
+def test_batch_equals_rows_alone(agent, tokenizer, search_index):
+    """A ragged batch gives each row exactly what it gives alone (greedy)."""
+    qs = [AGENT_QUESTION, "Turing", "Paris 1815 river and the lake mountain"]
+    together = run(agent, tokenizer, search_index, qs, G=2)
+    for i, q in enumerate(qs):
+        (alone,) = run(agent, tokenizer, search_index, [q])
+        for t in together[2 * i:2 * i + 2]:
+            assert t.tokens == alone.tokens and t.loss_mask == alone.loss_mask
+            assert t.queries == alone.queries and t.answer == alone.answer
+
+
+def test_turn_and_token_caps_hold(agent, tokenizer, search_index):
+    """At most max_turns searches + one final turn; turns and observations respect their caps."""
+    trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION, "Ada"], G=5, temperature=1.5,
+                max_turns=2, max_turn_tokens=12, max_obs_tokens=20,
+                generator=torch.Generator().manual_seed(0))
+    for t in trajs:
+        assert t.n_search <= 2 and t.n_turns <= 3
+        for sampled, s, e in segments(t):
+            assert e - s <= (12 if sampled else max(20, len(tokenizer.encode(RO.INVALID))))
+
+
+def test_invalid_actions_get_the_message(tokenizer, search_index):
+    """Turns with no tag get the fixed invalid-action message; the last turn ends the trajectory."""
+    noise = random_model(tiny_config(), seed=5)
+    trajs = run(noise, tokenizer, search_index, ["Ada"], G=2, max_turns=3, max_turn_tokens=4,
+                temperature=1.0, generator=torch.Generator().manual_seed(0))
+    for t in trajs:
+        env = [tokenizer.decode(t.tokens[s:e]) for m, s, e in segments(t) if not m]
+        assert env == [RO.INVALID] * 3 and t.n_turns == 4
+        assert t.stop == "final_turn_without_answer" and t.answer is None
+
+
+def test_answer_is_taken_from_model_text_only():
+    """The answer is the last <answer> the model wrote, never the prompt's example."""
+    assert RO.extract_answer("<answer> a </answer> then <answer> b </answer>") == "b"
+    assert RO.extract_answer("no tags") is None
+    assert "<answer> Beijing </answer>" in RO.make_prompt("q")
