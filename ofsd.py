@@ -1,0 +1,340 @@
+"""OFSD: offline self-distillation from the policy's own better sibling (Search-E1's contribution).
+
+1. Pair mining, per question group of rollouts (METHOD.md):
+     tau_ref = the correct trajectory (R = 1) with the fewest retrieval calls (ties: fewest
+               policy tokens, then lowest index);
+     tau_stu = the incorrect trajectory that differs most from tau_ref, else the correct one
+               (other than tau_ref) that differs most; ties go to the lowest index.
+   "Differs" = bigram distance over the policy-generated tokens (loss_mask = 1):
+     d(a, b) = 1 - |bigrams(a) & bigrams(b)| / |bigrams(a) | bigrams(b)|   (multisets)
+   A group without a correct trajectory gives no pair.
+2. Conditioning: the same weights, two contexts, the same continuation tau_stu:
+     student  P_S(q)          = chat(instruction || q)                      then tau_stu
+     teacher  P_T(q, tau_ref) = chat(instruction || q || PRIVILEGED(tau_ref)) then tau_stu
+   Loss positions R_tau = tau_stu's policy-sampled tokens (its loss_mask), aligned between the
+   two sequences; retrieved text and the prompt never count.
+3. Loss, per pair (teacher probabilities carry no gradient):
+     L = 1/|R_tau| sum_{p in R_tau} sum_v min(Pt_p(v) log(Pt_p(v) / Ps_p(v)), tau_clip)
+   Its gradient w.r.t. the student logits z of one position (m(v) = [term v not clipped]):
+     dL/dz_j = Ps(j) * S - m(j) * Pt(j),   S = sum_v m(v) Pt(v)
+   (from d(-Pt(v) log Ps(v))/dz_j = -Pt(v) (delta_vj - Ps(j)); clipped terms are constant).
+   Implementations of one function: `clipped_forward_kl_reference` (plain PyTorch, the spec);
+   a Triton kernel (CUDA) that writes loss and gradient in one launch; a chunked PyTorch path
+   off CUDA with the same analytic gradient; and `fused_linear_clipped_kl`, which takes hidden
+   states and the frozen LM-head weight and loops over row chunks so the (N, V) logits never
+   exist (used for training).
+4. The round: attach LoRA; teacher pass with the adapter disabled under no_grad; student pass
+   with it; AdamW on the adapter only; then merge into the base weights.
+
+Left out: several privileged references per pair (the paper's future work), reverse KL, mixing
+OFSD with RL in one loss.
+
+    python ofsd.py        # checks the CPU path and (with CUDA or TRITON_INTERPRET=1) the kernel
+"""
+
+import random
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+
+import lora
+import model as M
+from rollout import make_prompt
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton wheel on this platform: the PyTorch paths still work
+    triton = None
+
+PRIVILEGED = ("\n\nFor reference, here is a correct and efficient solution to this question, "
+              "with its searches and the retrieved documents:\n{reference}\n")
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. pair mining
+
+def policy_tokens(t):
+    return [x for x, m in zip(t.tokens, t.loss_mask) if m]
+
+
+def token_distance(a, b):
+    """1 - multiset Jaccard overlap of token bigrams (0: same bigrams, 1: none shared)."""
+    ba, bb = Counter(zip(a, a[1:])), Counter(zip(b, b[1:]))
+    union = sum((ba | bb).values())
+    return 0.0 if union == 0 else 1.0 - sum((ba & bb).values()) / union
+
+
+def mine_pair(group, rewards):
+    """(ref index, student index, student is incorrect) for one question's group, or None."""
+    correct = [i for i, r in enumerate(rewards) if r > 0]
+    if not correct:
+        return None
+    ref = min(correct, key=lambda i: (group[i].n_search, sum(group[i].loss_mask), i))
+    wrong = [i for i, r in enumerate(rewards) if r <= 0]
+    pool = wrong or [i for i in correct if i != ref]
+    if not pool:
+        return None
+    ref_toks = policy_tokens(group[ref])
+    stu = max(pool, key=lambda i: (token_distance(ref_toks, policy_tokens(group[i])), -i))
+    return ref, stu, bool(wrong)
+
+
+def mine_pairs(trajs, rewards, group_size):
+    """One (tau_ref, tau_stu, student_incorrect) per question group that has a correct rollout."""
+    pairs = []
+    for s in range(0, len(trajs), group_size):
+        found = mine_pair(trajs[s:s + group_size], rewards[s:s + group_size])
+        if found:
+            pairs.append((trajs[s + found[0]], trajs[s + found[1]], found[2]))
+    return pairs
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. conditioning
+
+def pair_sequences(tokenizer, ref, stu):
+    """Student and teacher token ids plus the aligned loss positions (predicted token indices)."""
+    response = stu.tokens[stu.prompt_len:]
+    reference = tokenizer.decode(ref.tokens[ref.prompt_len:])
+    teacher_prompt = tokenizer.encode(M.chat_prompt(make_prompt(stu.question) + PRIVILEGED.format(reference=reference)))
+    pos = [p for p in range(stu.prompt_len, len(stu.tokens)) if stu.loss_mask[p]]
+    shift = len(teacher_prompt) - stu.prompt_len
+    return stu.tokens, teacher_prompt + response, pos, [p + shift for p in pos]
+
+
+def _gather_hidden(model, seqs, positions):
+    """Hidden states that predict each listed position: (sum of len(positions), d)."""
+    T = max(map(len, seqs))
+    dev = model.model.embed_tokens.weight.device
+    ids = torch.zeros(len(seqs), T, dtype=torch.long, device=dev)
+    valid = torch.zeros(len(seqs), T, dtype=torch.bool, device=dev)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s)
+        valid[i, :len(s)] = True
+    h = model.hidden(ids, valid=valid)  # (B, T, d)
+    rows = torch.tensor([i for i, ps in enumerate(positions) for _ in ps], device=dev)
+    cols = torch.tensor([p - 1 for ps in positions for p in ps], device=dev)
+    return h[rows, cols]  # (N, d)
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. the loss: reference, chunked PyTorch, Triton
+
+def clipped_forward_kl_reference(student_logits, teacher_logits, tau_clip):
+    """mean_p sum_v min(Pt log(Pt / Ps), tau_clip); (N, V) logits; the readable spec (autograd)."""
+    dt = torch.promote_types(student_logits.dtype, torch.float32)  # float32, or float64 if given
+    log_ps = torch.log_softmax(student_logits.to(dt), -1)
+    log_pt = torch.log_softmax(teacher_logits.detach().to(dt), -1)
+    terms = torch.where(log_pt > -float("inf"), log_pt.exp() * (log_pt - log_ps), 0.0)  # (N, V)
+    return terms.clamp(max=tau_clip).sum(-1).mean()
+
+
+def _loss_and_grad_torch(zs, zt, tau_clip, row_scale):
+    """Per-row clipped KL (C,) and its gradient w.r.t. zs (C, V) scaled per row, analytically."""
+    log_ps = torch.log_softmax(zs.float(), -1)  # (C, V)
+    log_pt = torch.log_softmax(zt.float(), -1)
+    pt = log_pt.exp()
+    f = pt * (log_pt - log_ps)  # (C, V) the per-entry KL terms
+    del log_pt
+    keep = f <= tau_clip
+    rows = f.clamp_(max=tau_clip).sum(-1)  # (C,)
+    pt.mul_(keep)  # m(v) Pt(v)
+    S = pt.sum(-1, keepdim=True)  # (C, 1)
+    grad = log_ps.exp_().mul_(S).sub_(pt).mul_(row_scale[:, None])  # Ps S - m Pt
+    return rows, grad
+
+
+if triton is not None:
+    @triton.jit
+    def _clipped_kl_kernel(S_ptr, T_ptr, LOSS_ptr, GRAD_ptr, SCALE_ptr, stride_s, stride_t, stride_g,
+                           V, tau_clip, BLOCK: tl.constexpr):
+        """One program per row. Online softmax over the vocabulary in blocks (nothing (N, V) is
+        materialised besides the gradient output):
+          pass 1: lse_s = log sum exp(s), lse_t = log sum exp(t)            (running max + sum)
+          pass 2: f(v) = Pt(v) (log Pt(v) - log Ps(v)),  loss = sum_v min(f(v), tau_clip),
+                  S = sum_v m(v) Pt(v) with m(v) = [f(v) <= tau_clip]
+          pass 3: grad(v) = scale * (Ps(v) S - m(v) Pt(v))   (dLoss/ds(v), so backward is a scale)
+        """
+        row = tl.program_id(0).to(tl.int64)
+        s_row, t_row, g_row = S_ptr + row * stride_s, T_ptr + row * stride_t, GRAD_ptr + row * stride_g
+        offs = tl.arange(0, BLOCK)
+        m_s = tl.full([1], float("-inf"), tl.float32)
+        m_t = tl.full([1], float("-inf"), tl.float32)
+        d_s = tl.zeros([1], tl.float32)
+        d_t = tl.zeros([1], tl.float32)
+        for start in range(0, V, BLOCK):
+            msk = start + offs < V
+            s = tl.load(s_row + start + offs, mask=msk, other=float("-inf")).to(tl.float32)
+            t = tl.load(t_row + start + offs, mask=msk, other=float("-inf")).to(tl.float32)
+            new_s = tl.maximum(m_s, tl.max(s, 0))
+            new_t = tl.maximum(m_t, tl.max(t, 0))
+            d_s = d_s * tl.exp(m_s - new_s) + tl.sum(tl.exp(s - new_s), 0)
+            d_t = d_t * tl.exp(m_t - new_t) + tl.sum(tl.exp(t - new_t), 0)
+            m_s, m_t = new_s, new_t
+        lse_s = m_s + tl.log(d_s)
+        lse_t = m_t + tl.log(d_t)
+        loss = tl.zeros([1], tl.float32)
+        S = tl.zeros([1], tl.float32)
+        for start in range(0, V, BLOCK):
+            msk = start + offs < V
+            s = tl.load(s_row + start + offs, mask=msk, other=0.0).to(tl.float32)
+            t = tl.load(t_row + start + offs, mask=msk, other=0.0).to(tl.float32)
+            log_pt = t - lse_t
+            pt = tl.exp(log_pt)
+            f = pt * (log_pt - (s - lse_s))
+            keep = msk & (f <= tau_clip)
+            loss += tl.sum(tl.where(msk, tl.minimum(f, tau_clip), 0.0), 0)
+            S += tl.sum(tl.where(keep, pt, 0.0), 0)
+        scale = tl.load(SCALE_ptr + row)
+        for start in range(0, V, BLOCK):
+            msk = start + offs < V
+            s = tl.load(s_row + start + offs, mask=msk, other=0.0).to(tl.float32)
+            t = tl.load(t_row + start + offs, mask=msk, other=0.0).to(tl.float32)
+            log_pt = t - lse_t
+            pt = tl.exp(log_pt)
+            f = pt * (log_pt - (s - lse_s))
+            g = tl.exp(s - lse_s) * S - tl.where(f <= tau_clip, pt, 0.0)
+            tl.store(g_row + start + offs, (g * scale).to(GRAD_ptr.dtype.element_ty), mask=msk)
+        tl.store(LOSS_ptr + row + tl.arange(0, 1), loss)
+
+
+def _loss_and_grad_triton(zs, zt, tau_clip, row_scale):
+    zs, zt = zs.contiguous(), zt.contiguous()
+    N, V = zs.shape
+    rows = torch.empty(N, dtype=torch.float32, device=zs.device)  # on the input's device
+    grad = torch.empty_like(zs)
+    _clipped_kl_kernel[(N,)](zs, zt, rows, grad, row_scale.float().contiguous(), zs.stride(0),
+                             zt.stride(0), grad.stride(0), V, float(tau_clip),
+                             BLOCK=min(4096, triton.next_power_of_2(V)))
+    return rows, grad
+
+
+def loss_and_grad(zs, zt, tau_clip, row_scale, use_triton=None):
+    """Per-row clipped KL and d(sum_r row_scale_r * row_r)/dzs; Triton on CUDA, else PyTorch."""
+    if use_triton is None:
+        use_triton = zs.is_cuda and triton is not None
+    return (_loss_and_grad_triton if use_triton else _loss_and_grad_torch)(zs, zt, tau_clip, row_scale)
+
+
+class ClippedForwardKL(torch.autograd.Function):
+    """Loss and gradient computed together in the forward (chunked over rows); backward scales."""
+
+    @staticmethod
+    def forward(ctx, student_logits, teacher_logits, tau_clip, chunk, use_triton):
+        N = student_logits.shape[0]
+        scale = torch.full((N,), 1.0 / N, device=student_logits.device)
+        grad = torch.empty_like(student_logits)
+        total = torch.zeros((), device=student_logits.device)
+        for c in range(0, N, chunk):
+            rows, grad[c:c + chunk] = loss_and_grad(student_logits[c:c + chunk], teacher_logits[c:c + chunk],
+                                                    tau_clip, scale[c:c + chunk], use_triton)
+            total += rows.sum()
+        ctx.save_for_backward(grad)
+        return total / N
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_output.to(grad.dtype), None, None, None, None
+
+
+def clipped_forward_kl(student_logits, teacher_logits, tau_clip, chunk=256, use_triton=None):
+    """The clipped forward KL of (N, V) logits; the Triton kernel on CUDA, chunked PyTorch off it."""
+    return ClippedForwardKL.apply(student_logits, teacher_logits.detach(), tau_clip, chunk, use_triton)
+
+
+class FusedLinearClippedKL(torch.autograd.Function):
+    """sum_r w_r * clipped_KL(h_t[r] W^T || h_s[r] W^T) without ever holding the (N, V) logits."""
+
+    @staticmethod
+    def forward(ctx, h_student, h_teacher, weight, row_weight, tau_clip, chunk):
+        grad_h = torch.empty_like(h_student)
+        total = torch.zeros((), device=h_student.device)
+        for c in range(0, h_student.shape[0], chunk):
+            zs = F.linear(h_student[c:c + chunk], weight)  # (C, V)
+            zt = F.linear(h_teacher[c:c + chunk], weight)  # (C, V)
+            rows, g = loss_and_grad(zs, zt, tau_clip, row_weight[c:c + chunk])
+            total += (rows * row_weight[c:c + chunk]).sum()
+            grad_h[c:c + chunk] = g.to(weight.dtype) @ weight  # (C, d)
+        ctx.save_for_backward(grad_h)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (grad_h,) = ctx.saved_tensors
+        return grad_h * grad_output.to(grad_h.dtype), None, None, None, None, None
+
+
+def fused_linear_clipped_kl(h_student, h_teacher, weight, tau_clip, row_weight=None, chunk=256):
+    """Clipped forward KL from hidden states (N, d) and the frozen LM head (V, d); mean by default."""
+    N = h_student.shape[0]
+    if row_weight is None:
+        row_weight = torch.full((N,), 1.0 / N, device=h_student.device)
+    return FusedLinearClippedKL.apply(h_student, h_teacher.detach(), weight.detach(), row_weight, tau_clip, chunk)
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. the round
+
+def pair_loss(model, batch, tau_clip, chunk):
+    """Mean over the pairs of each pair's mean clipped KL over its loss positions."""
+    students, teachers, s_pos, t_pos = zip(*batch)
+    with torch.no_grad(), lora.disabled(model):
+        h_t = _gather_hidden(model, teachers, t_pos)  # (N, d) teacher: frozen base weights
+    h_s = _gather_hidden(model, students, s_pos)  # (N, d) student: adapter active
+    w = torch.tensor([1.0 / (len(p) * len(batch)) for p in s_pos for _ in p], device=h_s.device)
+    return fused_linear_clipped_kl(h_s, h_t, model.lm_head_weight, tau_clip, w, chunk)
+
+
+def ofsd_round(model, tokenizer, pairs, *, lora_rank, lora_alpha, lr, epochs, micro_batch, tau_clip,
+               max_grad_norm, seed, chunk=256, log=None):
+    """Distill each pair's teacher view into the student view through LoRA, then merge."""
+    data = [pair_sequences(tokenizer, ref, stu) for ref, stu, _ in pairs]
+    data = [d for d in data if d[2]]  # a student with no policy token has nothing to learn
+    metrics = dict(pairs=len(pairs), incorrect_students=sum(w for _, _, w in pairs), losses=[])
+    if not data:
+        return metrics
+    params = lora.attach(model, lora_rank, lora_alpha)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+
+    def mean_kl():
+        with torch.no_grad():
+            return sum(pair_loss(model, data[i:i + micro_batch], tau_clip, chunk).item() * len(data[i:i + micro_batch])
+                       for i in range(0, len(data), micro_batch)) / len(data)
+
+    metrics["kl_before"] = mean_kl()
+    rng = random.Random(seed)
+    for epoch in range(epochs):
+        order = list(range(len(data)))
+        rng.shuffle(order)
+        for s in range(0, len(order), micro_batch):
+            loss = pair_loss(model, [data[i] for i in order[s:s + micro_batch]], tau_clip, chunk)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+            opt.step()
+            metrics["losses"].append(loss.item())
+            if log:
+                log(epoch, len(metrics["losses"]), loss.item())
+    metrics["kl_after"] = mean_kl()
+    lora.merge(model)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return metrics
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    s, t = torch.randn(37, 3001, requires_grad=True), torch.randn(37, 3001)
+    ref = clipped_forward_kl_reference(s, t, 0.01)
+    (g_ref,) = torch.autograd.grad(ref, s)
+    for name, fn in [("chunked", lambda: clipped_forward_kl(s, t, 0.01, 8, use_triton=False)),
+                     ("triton", lambda: clipped_forward_kl(s, t, 0.01, 8, use_triton=True))]:
+        if name == "triton" and (triton is None or not (torch.cuda.is_available())):
+            print("triton: needs CUDA (or TRITON_INTERPRET=1 with CPU tensors in the tests)")
+            continue
+        loss = fn()
+        (g,) = torch.autograd.grad(loss, s)
+        print(f"{name}: |loss - ref| = {abs(loss.item() - ref.item()):.2e}  max |grad - ref| = {(g - g_ref).abs().max():.2e}")

@@ -1,0 +1,116 @@
+"""ofsd.py: pair mining rules, teacher/student conditioning, and the OFSD round on a real model."""
+
+import copy
+
+import torch
+
+import lora
+import model as M
+import ofsd
+import rollout as RO
+from conftest import AGENT_QUESTION
+from test_rollout import run
+
+
+def traj(policy, n_search=0, question="q"):
+    """A hand-built trajectory: a 3-token prompt, then the given policy tokens."""
+    t = RO.Trajectory(question, 3)
+    t.add([1, 2, 3], sampled=False)
+    t.add(policy, sampled=True, logprobs=[0.0] * len(policy))
+    t.queries = ["x"] * n_search
+    return t
+
+
+def test_reference_is_correct_with_fewest_searches():
+    """tau_ref: the correct trajectory with the fewest searches; ties to the shortest."""
+    g = [traj([5, 6, 7], 2), traj([5, 6, 7, 8], 1), traj([5, 6], 1), traj([9, 9], 0)]
+    assert ofsd.mine_pair(g, [1, 1, 1, 0])[0] == 2
+
+
+def test_student_is_the_most_different_incorrect():
+    """tau_stu: the incorrect sibling farthest from tau_ref (bigram distance), not the nearest."""
+    g = [traj([5, 6, 7, 8], 1), traj([5, 6, 7, 9], 1), traj([1, 2, 3, 4], 3), traj([5, 6, 7, 8], 2)]
+    assert ofsd.mine_pair(g, [1, 0, 0, 1]) == (0, 2, True)
+
+
+def test_student_falls_back_to_a_correct_sibling():
+    """All correct: the correct sibling farthest from tau_ref is the student."""
+    g = [traj([5, 6, 7], 1), traj([5, 6, 7], 2), traj([9, 8, 7], 2)]
+    assert ofsd.mine_pair(g, [1, 1, 1]) == (0, 2, False)
+
+
+def test_no_correct_no_pair_and_ties_are_deterministic():
+    """No correct trajectory gives no pair; equal distances go to the lowest index."""
+    assert ofsd.mine_pair([traj([1, 2]), traj([3, 4])], [0, 0]) is None
+    assert ofsd.mine_pair([traj([1, 2])], [1]) is None
+    g = [traj([1, 2, 3], 0), traj([7, 8], 1), traj([8, 9], 1)]
+    assert ofsd.mine_pair(g, [1, 0, 0]) == (0, 1, True)
+    pairs = ofsd.mine_pairs(g + [traj([4, 4])] * 3, [1, 0, 0, 0, 0, 0], 3)
+    assert len(pairs) == 1 and pairs[0][0] is g[0] and pairs[0][2]
+
+
+def test_token_distance():
+    """Identical sequences are 0 apart, disjoint ones 1."""
+    assert ofsd.token_distance([1, 2, 3], [1, 2, 3]) == 0.0
+    assert ofsd.token_distance([1, 2, 3], [4, 5, 6]) == 1.0
+    assert 0 < ofsd.token_distance([1, 2, 3], [1, 2, 4]) < 1
+
+
+def test_conditioning_aligns_student_tokens(agent, tokenizer, search_index):
+    """Teacher = prompt with tau_ref as privileged context, then tau_stu; positions line up."""
+    ref, stu = run(agent, tokenizer, search_index, [AGENT_QUESTION], G=2, temperature=1.0,
+                   generator=torch.Generator().manual_seed(0))
+    s_ids, t_ids, s_pos, t_pos = ofsd.pair_sequences(tokenizer, ref, stu)
+    assert s_ids == stu.tokens and [s_ids[p] for p in s_pos] == [t_ids[p] for p in t_pos]
+    assert s_pos == [p for p, m in enumerate(stu.loss_mask) if m]
+    teacher_prompt = tokenizer.decode(t_ids[:len(t_ids) - (len(stu.tokens) - stu.prompt_len)])
+    assert teacher_prompt == M.chat_prompt(RO.make_prompt(AGENT_QUESTION) + ofsd.PRIVILEGED.format(
+        reference=tokenizer.decode(ref.tokens[ref.prompt_len:])))
+
+
+def test_teacher_pass_ignores_adapter(agent, tokenizer, search_index):
+    """With a trained adapter attached, the teacher pass equals the base model exactly."""
+    model = copy.deepcopy(agent)
+    trajs = run(model, tokenizer, search_index, [AGENT_QUESTION], G=2, temperature=1.0,
+                generator=torch.Generator().manual_seed(0))
+    batch = [ofsd.pair_sequences(tokenizer, trajs[0], trajs[1])]
+    _, t_ids, _, t_pos = batch[0]
+    with torch.no_grad():
+        base = ofsd._gather_hidden(model, [t_ids], [t_pos])
+    lora.attach(model, r=4, alpha=8)
+    for _, m in lora._wrapped(model):
+        torch.nn.init.normal_(m.lora_B.weight, std=0.1)
+    with torch.no_grad(), lora.disabled(model):
+        assert torch.equal(ofsd._gather_hidden(model, [t_ids], [t_pos]), base)
+    with torch.no_grad():
+        assert not torch.equal(ofsd._gather_hidden(model, [t_ids], [t_pos]), base)
+
+
+def test_round_lowers_kl_and_merges(agent, tokenizer, search_index):
+    """An OFSD round lowers the pairs' clipped KL, and the merged model equals the adapted one."""
+    model = copy.deepcopy(agent)
+    trajs = run(model, tokenizer, search_index, [AGENT_QUESTION, "Ada"], G=3, temperature=1.3,
+                generator=torch.Generator().manual_seed(0))
+    pairs = [(trajs[0], trajs[1], True), (trajs[3], trajs[5], False)]
+    seen = {}
+    original = ofsd.lora.merge
+
+    def spy_merge(m):
+        ids = torch.tensor([trajs[1].tokens])
+        with torch.no_grad():
+            seen["adapted"] = m(ids)
+        original(m)
+        with torch.no_grad():
+            seen["merged"] = m(ids)
+        return m
+
+    ofsd.lora.merge = spy_merge
+    try:
+        out = ofsd.ofsd_round(model, tokenizer, pairs, lora_rank=4, lora_alpha=8, lr=5e-3, epochs=8,
+                              micro_batch=2, tau_clip=1.0, max_grad_norm=1.0, seed=0)
+    finally:
+        ofsd.lora.merge = original
+    assert out["pairs"] == 2 and out["incorrect_students"] == 1
+    assert out["kl_after"] < out["kl_before"]
+    assert (seen["merged"] - seen["adapted"]).abs().max() <= 1e-4  # float32, 400+ positions
+    assert not lora._wrapped(model) and all(p.requires_grad for p in model.parameters())
