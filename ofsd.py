@@ -131,19 +131,25 @@ def clipped_forward_kl_reference(student_logits, teacher_logits, tau_clip):
     return terms.clamp(max=tau_clip).sum(-1).mean()
 
 
-def _loss_and_grad_torch(zs, zt, tau_clip, row_scale):
-    """Per-row clipped KL (C,) and its gradient w.r.t. zs (C, V) scaled per row, analytically."""
-    log_ps = torch.log_softmax(zs.float(), -1)  # (C, V)
-    log_pt = torch.log_softmax(zt.float(), -1)
-    pt = log_pt.exp()
-    f = pt * (log_pt - log_ps)  # (C, V) the per-entry KL terms
-    del log_pt
-    keep = f <= tau_clip
-    rows = f.clamp_(max=tau_clip).sum(-1)  # (C,)
-    pt.mul_(keep)  # m(v) Pt(v)
-    S = pt.sum(-1, keepdim=True)  # (C, 1)
-    grad = log_ps.exp_().mul_(S).sub_(pt).mul_(row_scale[:, None])  # Ps S - m Pt
-    return rows, grad
+CPU_ROWS = 8  # rows per step of the PyTorch path: its (8, V) temporaries stay in cache (measured)
+
+
+def _loss_and_grad_torch(zs, zt, tau_clip, row_scale, out):
+    """Per-row clipped KL (N,); writes row_scale * dLoss_row/dzs into `out` (N, V), analytically.
+
+    Extra memory is a few (CPU_ROWS, V) float32 temporaries, whatever N is."""
+    rows = torch.empty(zs.shape[0], dtype=torch.float32, device=zs.device)
+    for c in range(0, zs.shape[0], CPU_ROWS):
+        log_ps = torch.log_softmax(zs[c:c + CPU_ROWS].float(), -1)  # (C, V)
+        log_pt = torch.log_softmax(zt[c:c + CPU_ROWS].float(), -1)
+        pt = log_pt.exp()
+        f = log_pt.sub_(log_ps).mul_(pt)  # (C, V) the per-entry KL terms Pt log(Pt / Ps)
+        keep = f <= tau_clip
+        rows[c:c + CPU_ROWS] = f.clamp_(max=tau_clip).sum(-1)
+        pt.mul_(keep)  # m(v) Pt(v)
+        S = pt.sum(-1, keepdim=True)  # (C, 1)
+        out[c:c + CPU_ROWS] = log_ps.exp_().mul_(S).sub_(pt).mul_(row_scale[c:c + CPU_ROWS, None])
+    return rows
 
 
 if triton is not None:
@@ -200,49 +206,46 @@ if triton is not None:
         tl.store(LOSS_ptr + row + tl.arange(0, 1), loss)
 
 
-def _loss_and_grad_triton(zs, zt, tau_clip, row_scale):
-    zs, zt = zs.contiguous(), zt.contiguous()
+def _loss_and_grad_triton(zs, zt, tau_clip, row_scale, out):
     N, V = zs.shape
     rows = torch.empty(N, dtype=torch.float32, device=zs.device)  # on the input's device
-    grad = torch.empty_like(zs)
-    _clipped_kl_kernel[(N,)](zs, zt, rows, grad, row_scale.float().contiguous(), zs.stride(0),
-                             zt.stride(0), grad.stride(0), V, float(tau_clip),
+    _clipped_kl_kernel[(N,)](zs, zt, rows, out, row_scale.float().contiguous(), zs.stride(0),
+                             zt.stride(0), out.stride(0), V, float(tau_clip),
                              BLOCK=min(4096, triton.next_power_of_2(V)))
-    return rows, grad
+    return rows
 
 
-def loss_and_grad(zs, zt, tau_clip, row_scale, use_triton=None):
-    """Per-row clipped KL and d(sum_r row_scale_r * row_r)/dzs; Triton on CUDA, else PyTorch."""
+def loss_and_grad(zs, zt, tau_clip, row_scale, out, use_triton=None):
+    """Per-row clipped KL (N,); writes d(row_scale_r * row_r)/dzs into `out` (N, V), which may be
+    zs itself (each element is read before it is overwritten). Triton on CUDA, else PyTorch."""
     if use_triton is None:
         use_triton = zs.is_cuda and triton is not None
-    return (_loss_and_grad_triton if use_triton else _loss_and_grad_torch)(zs, zt, tau_clip, row_scale)
+    if zs.stride(-1) != 1 or zt.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("loss_and_grad needs rows with unit stride (call .contiguous())")
+    return (_loss_and_grad_triton if use_triton else _loss_and_grad_torch)(zs, zt, tau_clip, row_scale, out)
 
 
 class ClippedForwardKL(torch.autograd.Function):
     """Loss and gradient computed together in the forward (chunked over rows); backward scales."""
 
     @staticmethod
-    def forward(ctx, student_logits, teacher_logits, tau_clip, chunk, use_triton):
-        N = student_logits.shape[0]
-        scale = torch.full((N,), 1.0 / N, device=student_logits.device)
-        grad = torch.empty_like(student_logits)
-        total = torch.zeros((), device=student_logits.device)
-        for c in range(0, N, chunk):
-            rows, grad[c:c + chunk] = loss_and_grad(student_logits[c:c + chunk], teacher_logits[c:c + chunk],
-                                                    tau_clip, scale[c:c + chunk], use_triton)
-            total += rows.sum()
+    def forward(ctx, student_logits, teacher_logits, tau_clip, use_triton):
+        s, t = student_logits.contiguous(), teacher_logits.contiguous()
+        N = s.shape[0]
+        grad = torch.empty_like(s)  # the gradient is the only (N, V) tensor this allocates
+        rows = loss_and_grad(s, t, tau_clip, torch.full((N,), 1.0 / N, device=s.device), grad, use_triton)
         ctx.save_for_backward(grad)
-        return total / N
+        return rows.sum() / N
 
     @staticmethod
     def backward(ctx, grad_output):
         (grad,) = ctx.saved_tensors
-        return grad * grad_output.to(grad.dtype), None, None, None, None
+        return grad * grad_output.to(grad.dtype), None, None, None
 
 
-def clipped_forward_kl(student_logits, teacher_logits, tau_clip, chunk=256, use_triton=None):
+def clipped_forward_kl(student_logits, teacher_logits, tau_clip, use_triton=None):
     """The clipped forward KL of (N, V) logits; the Triton kernel on CUDA, chunked PyTorch off it."""
-    return ClippedForwardKL.apply(student_logits, teacher_logits.detach(), tau_clip, chunk, use_triton)
+    return ClippedForwardKL.apply(student_logits, teacher_logits.detach(), tau_clip, use_triton)
 
 
 class FusedLinearClippedKL(torch.autograd.Function):
@@ -255,9 +258,9 @@ class FusedLinearClippedKL(torch.autograd.Function):
         for c in range(0, h_student.shape[0], chunk):
             zs = F.linear(h_student[c:c + chunk], weight)  # (C, V)
             zt = F.linear(h_teacher[c:c + chunk], weight)  # (C, V)
-            rows, g = loss_and_grad(zs, zt, tau_clip, row_weight[c:c + chunk])
+            rows = loss_and_grad(zs, zt, tau_clip, row_weight[c:c + chunk], out=zs)  # zs <- dL/dzs
             total += (rows * row_weight[c:c + chunk]).sum()
-            grad_h[c:c + chunk] = g.to(weight.dtype) @ weight  # (C, d)
+            grad_h[c:c + chunk] = zs @ weight  # (C, d)
         ctx.save_for_backward(grad_h)
         return total
 
@@ -330,8 +333,8 @@ if __name__ == "__main__":
     s, t = torch.randn(37, 3001, requires_grad=True), torch.randn(37, 3001)
     ref = clipped_forward_kl_reference(s, t, 0.01)
     (g_ref,) = torch.autograd.grad(ref, s)
-    for name, fn in [("chunked", lambda: clipped_forward_kl(s, t, 0.01, 8, use_triton=False)),
-                     ("triton", lambda: clipped_forward_kl(s, t, 0.01, 8, use_triton=True))]:
+    for name, fn in [("chunked", lambda: clipped_forward_kl(s, t, 0.01, use_triton=False)),
+                     ("triton", lambda: clipped_forward_kl(s, t, 0.01, use_triton=True))]:
         if name == "triton" and (triton is None or not (torch.cuda.is_available())):
             print("triton: needs CUDA (or TRITON_INTERPRET=1 with CPU tensors in the tests)")
             continue

@@ -31,6 +31,7 @@ Left out: stemming, phrase and field queries, dense retrieval, incremental index
 """
 
 import argparse
+import array
 import hashlib
 import json
 import os
@@ -93,7 +94,7 @@ def build_index(corpus_path, index_dir, k1=0.9, b=0.4, chunk_docs=CHUNK_DOCS):
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(os.path.join(tmp, "runs"))
     vocab = dict.fromkeys(STOPWORDS, -1)  # term -> id; stopwords map to -1 and are dropped
-    doc_len, doc_off, id_hash = [], [0], []
+    doc_len, doc_off, id_hash = [], array.array("q", [0]), array.array("q")  # 8 bytes per entry
     n_runs, n_docs = 0, 0
     chunk_terms, chunk_lens = [], []
     with open(os.path.join(tmp, "docs.bin"), "wb") as store:
@@ -118,7 +119,7 @@ def build_index(corpus_path, index_dir, k1=0.9, b=0.4, chunk_docs=CHUNK_DOCS):
     if n_docs == 0:
         shutil.rmtree(tmp)
         raise ValueError(f"{corpus_path}: the corpus has no documents")
-    _check_unique_ids(np.array(id_hash, dtype=np.int64), corpus_path, tmp, np.array(doc_off, dtype=np.int64))
+    _check_unique_ids(np.frombuffer(id_hash, dtype=np.int64), corpus_path, tmp, np.frombuffer(doc_off, dtype=np.int64))
 
     dl = np.concatenate(doc_len).astype(np.float32)  # (N,)
     n_terms = len(vocab) - len(STOPWORDS)
@@ -151,7 +152,7 @@ def build_index(corpus_path, index_dir, k1=0.9, b=0.4, chunk_docs=CHUNK_DOCS):
     del docs, scores
     os.rmdir(os.path.join(tmp, "runs"))
     np.save(os.path.join(tmp, "indptr.npy"), indptr)
-    np.save(os.path.join(tmp, "doc_offsets.npy"), np.array(doc_off, dtype=np.int64))
+    np.save(os.path.join(tmp, "doc_offsets.npy"), np.frombuffer(doc_off, dtype=np.int64))
     terms = sorted(((i, w) for w, i in vocab.items() if i >= 0))
     blob = [w.encode("utf-8") for _, w in terms]
     np.save(os.path.join(tmp, "vocab_offsets.npy"), np.cumsum([0] + [len(x) for x in blob]).astype(np.int64))

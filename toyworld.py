@@ -1,0 +1,347 @@
+"""The built-in toy world that `python evolve.py` trains on: a generated knowledge world, its
+corpus and questions, and a tiny Qwen2 backbone that already speaks the Search-R1 protocol.
+
+World (deterministic from a seed): invented countries, cities, people and companies with
+invented names and facts: a city's country, a person's birth city and birth year, a company's
+founder, headquarters and founding year. Nothing can be known without searching, and every
+relation has dozens of possible answers, so guessing is hopeless.
+
+Corpus (FlashRAG JSON lines, `contents` = "Title"\\ntext): one passage per entity. Distractors:
+people share first names and surnames (a vague query finds the wrong person), and passages
+mention other entities in passing (a city lists people born there, a person's passage names a
+colleague, a company names its founder).
+
+Questions (FlashRAG `question` / `golden_answers`, plus `type` and the canonical `hops`):
+    single     "In which city was P born?"  "Who founded C?"  "In which country is the city X?"
+    bridge     "In which country was P born?"  "In which city was the founder of C born?"
+    comparison "Who was born first, P or Q?"
+    three_hop  "In which country was the founder of C born?"
+Train and test share no subject entity; the test split is the built-in benchmark.
+
+Backbone: a tiny Qwen2 (4 layers, hidden 128, 4 query / 2 key-value heads), a byte-level BPE
+tokenizer trained on the world's text plus the chat tokens, warm-started by supervised training
+(loss on the agent's tokens only) on trajectories of a scripted agent that uses the real BM25
+index and rollout.py's exact prompt, tags and document block. The scripted agent is imperfect
+in ways RL and OFSD can fix: it sometimes answers after the first hop, sometimes searches a vague
+query (a surname alone) and trusts the top document, and sometimes repeats a search before
+answering correctly (right but wasteful).
+
+Left out: natural-language variety (templates are fixed), numeric-reasoning questions.
+
+    python toyworld.py OUT_DIR [--seed N] [--world-only]
+"""
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import model as M
+import retriever as R
+import rollout as RO
+
+SYLLABLES = ("ka ri to mo ne sa lu vi den bor tal mir gan sel dor fen kas lin tor var bel mon "
+             "rus pel dan vor len tes kor zal nim ros").split()
+OCCUPATIONS = ("painter", "engineer", "chemist", "poet", "merchant", "architect", "composer", "sailor")
+N_COUNTRIES, N_CITIES, N_FIRST, N_LAST, N_PEOPLE, N_COMPANIES = 14, 56, 70, 90, 420, 180
+TYPES = ("single", "bridge", "comparison", "three_hop")
+
+# backbone (tiny Qwen2) and its warm start
+BACKBONE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=True)
+VOCAB_SIZE = 3000
+SFT_TRAJECTORIES = 3000
+SFT_STEPS = 700
+SFT_BATCH = 12
+SFT_LR = 3e-3
+TOP_K = 3
+
+
+# ----------------------------------------------------------------------------------------------
+# world, corpus, questions
+
+def _names(rng, n, parts):
+    out = set()
+    while len(out) < n:
+        out.add("".join(rng.choice(SYLLABLES) for _ in range(rng.choice(parts))).capitalize())
+    return sorted(out)
+
+
+def make_world(seed):
+    rng = random.Random(seed)
+    pool = _names(rng, N_COUNTRIES + N_CITIES + N_FIRST + N_LAST + N_COMPANIES, (2, 3))
+    rng.shuffle(pool)
+    countries = pool[:N_COUNTRIES]
+    cities = {c: rng.choice(countries) for c in pool[N_COUNTRIES:N_COUNTRIES + N_CITIES]}
+    first = pool[N_COUNTRIES + N_CITIES:N_COUNTRIES + N_CITIES + N_FIRST]
+    last = pool[N_COUNTRIES + N_CITIES + N_FIRST:N_COUNTRIES + N_CITIES + N_FIRST + N_LAST]
+    companies_names = [n + " " + rng.choice(("Works", "Company", "Group", "Trading"))
+                       for n in pool[-N_COMPANIES:]]
+    people = {}
+    while len(people) < N_PEOPLE:
+        name = f"{rng.choice(first)} {rng.choice(last)}"
+        if name not in people:
+            people[name] = dict(city=rng.choice(sorted(cities)), year=rng.randint(1700, 1999),
+                                job=rng.choice(OCCUPATIONS))
+    names = sorted(people)
+    for p in names:
+        people[p]["colleague"] = rng.choice(names)
+    companies = {c: dict(founder=rng.choice(names), city=rng.choice(sorted(cities)),
+                         year=rng.randint(1750, 2010)) for c in companies_names}
+    return dict(countries=countries, cities=cities, people=people, companies=companies)
+
+
+def corpus_records(world):
+    """One FlashRAG record per entity, in a fixed order."""
+    born_in = {}
+    for p, f in world["people"].items():
+        born_in.setdefault(f["city"], []).append(p)
+    recs = []
+    for c in world["countries"]:
+        cs = sorted(x for x, k in world["cities"].items() if k == c)
+        recs.append((c, f"{c} is a country. Its cities include {', '.join(cs)}."))
+    for c, k in world["cities"].items():
+        notable = born_in.get(c, [])[:2]
+        extra = f" Notable people born here include {' and '.join(notable)}." if notable else ""
+        recs.append((c, f"{c} is a city in {k}.{extra}"))
+    for p, f in world["people"].items():
+        recs.append((p, f"{p} was a {f['job']} born in {f['city']} in {f['year']}. "
+                        f"{p.split()[0]} often worked with {f['colleague']}."))
+    for c, f in world["companies"].items():
+        recs.append((c, f"{c} is a company founded by {f['founder']} in {f['year']}. "
+                        f"It is headquartered in {f['city']}."))
+    return [{"id": str(i), "contents": f'"{t}"\n{x}'} for i, (t, x) in enumerate(recs)]
+
+
+def make_questions(world, seed):
+    """All questions, then split so that train and test share no subject entity."""
+    rng = random.Random(seed + 1)
+    P, C, K = world["people"], world["companies"], world["cities"]
+    subjects = sorted(P) + sorted(C) + sorted(K)
+    test_subjects = set(rng.sample(subjects, len(subjects) // 5))
+    qs = []
+
+    def add(kind, q, answer, hops, subj):
+        qs.append(dict(question=q, golden_answers=[str(answer)], type=kind, hops=hops, subjects=subj))
+
+    for p, f in P.items():
+        add("single", f"In which city was {p} born?", f["city"], [[p, f["city"]]], [p])
+        add("bridge", f"In which country was {p} born?", K[f["city"]],
+            [[p, f["city"]], [f["city"], K[f["city"]]]], [p])
+    for c, f in C.items():
+        fo = f["founder"]
+        city = P[fo]["city"]
+        add("single", f"Who founded {c}?", fo, [[c, fo]], [c])
+        add("bridge", f"In which city was the founder of {c} born?", city, [[c, fo], [fo, city]], [c])
+        add("three_hop", f"In which country was the founder of {c} born?", K[city],
+            [[c, fo], [fo, city], [city, K[city]]], [c])
+    for k, country in K.items():
+        add("single", f"In which country is the city {k}?", country, [[k, country]], [k])
+    for side in (sorted(p for p in P if p not in test_subjects), sorted(p for p in P if p in test_subjects)):
+        for _ in range(len(side)):  # comparisons pair two people of the same split
+            a, b = rng.sample(side, 2)
+            if P[a]["year"] != P[b]["year"]:
+                first = a if P[a]["year"] < P[b]["year"] else b
+                add("comparison", f"Who was born first, {a} or {b}?", first,
+                    [[a, str(P[a]["year"])], [b, str(P[b]["year"])]], [a, b])
+    train = [q for q in qs if not set(q["subjects"]) & test_subjects]
+    test = [q for q in qs if set(q["subjects"]) <= test_subjects]
+    rng.shuffle(train)
+    rng.shuffle(test)
+    return train, test
+
+
+def write_world(out_dir, seed):
+    """corpus.jsonl, train.jsonl, test.jsonl (byte-identical for a seed) and the BM25 index."""
+    world = make_world(seed)
+    os.makedirs(out_dir, exist_ok=True)
+    train, test = make_questions(world, seed)
+    for name, rows in (("corpus", corpus_records(world)), ("train", train), ("test", test)):
+        tmp = os.path.join(out_dir, name + ".jsonl.tmp")
+        with open(tmp, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        os.replace(tmp, os.path.join(out_dir, name + ".jsonl"))
+    R.build_index(os.path.join(out_dir, "corpus.jsonl"), os.path.join(out_dir, "index"))
+    return world, train, test
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ----------------------------------------------------------------------------------------------
+# the scripted agent
+
+def _value_from(doc_text, entity, target_kind):
+    """What a careful reader takes from one passage: the fact that the hop asks for."""
+    words = doc_text.replace(".", " .").replace(",", " ,").split()
+    cue = {"city": ("in",), "year": ("in",), "country": ("in",), "founder": ("by",)}[target_kind]
+    if target_kind == "year":
+        years = [w for w in words if w.isdigit()]
+        return years[0] if years else None
+    for i, w in enumerate(words[:-1]):
+        if w in cue:
+            j = i + 1
+            if target_kind == "founder":
+                return " ".join(words[j:j + 2])
+            if target_kind == "country" and " is a city in " not in doc_text:
+                return None
+            return words[j]
+    return None
+
+
+def _hop_kinds(q):
+    text = q["question"]
+    if q["type"] == "comparison":
+        return ["year", "year"]
+    if text.startswith("Who founded"):
+        return ["founder"]
+    if text.startswith("In which country is the city"):
+        return ["country"]
+    if q["type"] == "single":
+        return ["city"]
+    if q["type"] == "bridge":
+        return ["founder", "city"] if "founder" in text else ["city", "country"]
+    return ["founder", "city", "country"]
+
+
+def scripted_turns(q, index, rng):
+    """(turns, observations) of the imperfect scripted agent: turn texts alternate with retrieved text."""
+    hops, kinds = q["hops"], _hop_kinds(q)
+    early = len(hops) > 1 and q["type"] != "comparison" and rng.random() < 0.25
+    turns, obs, found = [], [], []
+    entity = hops[0][0]
+    for h, kind in enumerate(kinds):
+        if q["type"] == "comparison":
+            entity = hops[h][0]
+        vague = rng.random() < 0.2 and " " in entity
+        query = entity.split()[-1] if vague else entity
+        for repeat in range(2 if rng.random() < 0.2 else 1):
+            turns.append(f"<think> I need the {kind} of {entity}. </think>\n<search> {query} </search>")
+            hits = index.search([query], TOP_K)[0]
+            docs = [index.doc(i) for i, _ in hits]
+            obs.append(RO.observation(docs))
+        own = [x for t, x in docs if t == entity] or [docs[0][1] if docs else ""]
+        value = _value_from(own[0], entity, kind) or "unknown"
+        found.append(value)
+        if q["type"] != "comparison":
+            entity = value
+        if early and h == 0:
+            break
+    if q["type"] == "comparison":
+        a, b = hops[0][0], hops[1][0]
+        try:
+            answer = a if int(found[0]) < int(found[1]) else b
+        except ValueError:
+            answer = a
+        think = f"{a} was born in {found[0]} and {b} in {found[1]}."
+    else:
+        answer = found[-1]
+        think = f"The {kinds[len(found) - 1]} is {answer}."
+    turns.append(f"<think> {think} </think>\n<answer> {answer} </answer>")
+    return turns, obs
+
+
+def scripted_tokens(tokenizer, q, index, rng):
+    """Token ids and loss mask (1 on the agent's own tokens) of one scripted trajectory."""
+    turns, obs = scripted_turns(q, index, rng)
+    ids = tokenizer.encode(M.chat_prompt(RO.make_prompt(q["question"])))
+    mask = [0] * len(ids)
+    for i, t in enumerate(turns):
+        tt = tokenizer.encode(t) + ([tokenizer.eos_ids[0]] if i == len(turns) - 1 else [])
+        ids += tt
+        mask += [1] * len(tt)
+        if i < len(obs):
+            o = tokenizer.encode(obs[i])
+            ids += o
+            mask += [0] * len(o)
+    return ids, mask
+
+
+# ----------------------------------------------------------------------------------------------
+# the backbone
+
+def build_backbone(world_dir, out_dir, seed):
+    """Train the tokenizer and warm-start the tiny Qwen2 on scripted trajectories; save it."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed + 2)
+    index = R.load_index(os.path.join(world_dir, "index"))
+    train = read_jsonl(os.path.join(world_dir, "train.jsonl"))
+    corpus = [json.loads(line)["contents"] for line in open(os.path.join(world_dir, "corpus.jsonl"))]
+    texts = corpus + [RO.INSTRUCTION, RO.INVALID, RO.INFO_OPEN + "Doc 1(Title: x) y" + RO.INFO_CLOSE,
+                      "<think> </think> <search> </search> <answer> </answer>"] * 20
+    texts += [q["question"] for q in train]
+    tmp = out_dir.rstrip("/") + ".build"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    tok = M.Tokenizer.train(texts, VOCAB_SIZE, os.path.join(tmp, "tokenizer.json"))
+    data = [scripted_tokens(tok, train[i % len(train)], index, rng) for i in range(SFT_TRAJECTORIES)]
+    model = M.Qwen2(M.Qwen2Config(vocab_size=VOCAB_SIZE, **BACKBONE))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.02)
+    opt = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.0, betas=(0.9, 0.98))
+    model.train()
+    bar = tqdm(range(SFT_STEPS), desc="backbone warm start")
+    for step in bar:
+        lr = SFT_LR * min(1.0, (step + 1) / 30) * 0.5 * (1 + torch.cos(torch.tensor(step / SFT_STEPS * 3.14159)).item())
+        for g in opt.param_groups:
+            g["lr"] = lr
+        batch = [data[rng.randrange(len(data))] for _ in range(SFT_BATCH)]
+        T = max(len(ids) for ids, _ in batch)
+        ids = torch.zeros(len(batch), T, dtype=torch.long)
+        mask = torch.zeros(len(batch), T, dtype=torch.bool)
+        valid = torch.zeros(len(batch), T, dtype=torch.bool)
+        for i, (x, m) in enumerate(batch):
+            ids[i, :len(x)] = torch.tensor(x)
+            mask[i, :len(x)] = torch.tensor(m, dtype=torch.bool)
+            valid[i, :len(x)] = True
+        logits = model(ids[:, :-1], valid=valid[:, :-1])  # (B, T-1, V)
+        target = mask[:, 1:]
+        loss = F.cross_entropy(logits[target], ids[:, 1:][target])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    model.eval()
+    M.save(model, tok, out_dir)  # temp folder + rename
+    shutil.rmtree(tmp)
+
+
+def ensure(world_dir, seed, world_only=False):
+    """The toy world in world_dir (and its backbone in world_dir/backbone), built once, reused."""
+    backbone = os.path.join(world_dir, "backbone")
+    if not os.path.exists(os.path.join(world_dir, "index", "meta.json")):
+        t0 = time.time()
+        write_world(world_dir, seed)
+        print(f"toy world written to {world_dir} in {time.time() - t0:.0f}s", file=sys.stderr)
+    if not world_only and not os.path.exists(os.path.join(backbone, "model.safetensors")):
+        t0 = time.time()
+        build_backbone(world_dir, backbone, seed)
+        print(f"toy backbone written to {backbone} in {time.time() - t0:.0f}s", file=sys.stderr)
+    return world_dir, backbone
+
+
+def main():
+    ap = argparse.ArgumentParser(description="write the toy world (and its backbone)")
+    ap.add_argument("out_dir")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--world-only", action="store_true")
+    args = ap.parse_args()
+    world_dir, backbone = ensure(args.out_dir, args.seed, args.world_only)
+    print(f"world: {world_dir}" + ("" if args.world_only else f"\nbackbone: {backbone}"))
+
+
+if __name__ == "__main__":
+    main()
