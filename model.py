@@ -189,7 +189,7 @@ class Attention(nn.Module):
             cache.v[layer, :, :, s0:s0 + T] = v
             k = cache.k[layer, :, :, :s0 + T]  # (B, Hkv, S, D)
             v = cache.v[layer, :, :, :s0 + T]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                            enable_gqa=self.n_head != self.n_kv)  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -261,12 +261,15 @@ class Qwen2(nn.Module):
                 raise ValueError(f"KV cache full: {s0} + {T} tokens > max_len {cache.max_len}")
             cache.valid[:, s0:s0 + T] = valid
             key_valid = cache.valid[:, :s0 + T]  # (B, S)
-        q_slot = torch.arange(s0, s0 + T, device=dev)
-        k_slot = torch.arange(s0 + T, device=dev)
-        causal = k_slot[None, :] <= q_slot[:, None]  # (T, S)
-        # a padding query attends to itself only, so no softmax row is empty (its output is unused)
-        mask = (causal & key_valid[:, None, :]) | (k_slot[None, :] == q_slot[:, None])  # (B, T, S)
-        mask = mask[:, None]  # (B, 1, T, S)
+        if cache is None and bool((valid[:, 1:] <= valid[:, :-1]).all()):
+            mask = None  # right padding only: plain causal attention is exact for every real token
+        else:
+            q_slot = torch.arange(s0, s0 + T, device=dev)
+            k_slot = torch.arange(s0 + T, device=dev)
+            causal = k_slot[None, :] <= q_slot[:, None]  # (T, S)
+            # a padding query attends to itself only, so no softmax row is empty (output unused)
+            mask = (causal & key_valid[:, None, :]) | (k_slot[None, :] == q_slot[:, None])  # (B, T, S)
+            mask = mask[:, None]  # (B, 1, T, S)
 
         cfg = self.config
         x = self.model.embed_tokens(input_ids)  # (B, T, d)

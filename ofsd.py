@@ -240,7 +240,9 @@ class ClippedForwardKL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         (grad,) = ctx.saved_tensors
-        return grad * grad_output.to(grad.dtype), None, None, None
+        if grad_output.item() != 1.0:  # the usual loss.backward() needs no (N, V) copy
+            grad = grad * grad_output.to(grad.dtype)
+        return grad, None, None, None
 
 
 def clipped_forward_kl(student_logits, teacher_logits, tau_clip, use_triton=None):

@@ -58,9 +58,10 @@ BACKBONE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num
                 num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=True)
 VOCAB_SIZE = 3000
 SFT_TRAJECTORIES = 3000
-SFT_STEPS = 700
+SFT_STEPS = 400
 SFT_BATCH = 12
 SFT_LR = 3e-3
+COPY_WEIGHT = 5.0  # loss weight of agent tokens copied from the question or a document
 TOP_K = 3
 
 
@@ -251,20 +252,29 @@ def scripted_turns(q, index, rng):
     return turns, obs
 
 
+TEMPLATE_TEXT = ("<think> I need the city year founder country of . </think>\n<search> </search> "
+                 "<think> The is was born in and . </think>\n<answer> </answer>")
+
+
 def scripted_tokens(tokenizer, q, index, rng):
-    """Token ids and loss mask (1 on the agent's own tokens) of one scripted trajectory."""
+    """Token ids and per-token loss weights of one scripted trajectory: 0 on the prompt and the
+    observations; on the agent's own tokens 1, or COPY_WEIGHT where the agent copies a word from
+    the question or a document (names, years): the skill a tiny model is slowest to pick up."""
     turns, obs = scripted_turns(q, index, rng)
+    template = set(tokenizer.encode(TEMPLATE_TEXT)) | set(tokenizer.eos_ids)
     ids = tokenizer.encode(M.chat_prompt(RO.make_prompt(q["question"])))
-    mask = [0] * len(ids)
+    weight = [0.0] * len(ids)
+    context = set(tokenizer.encode(q["question"]))
     for i, t in enumerate(turns):
         tt = tokenizer.encode(t) + ([tokenizer.eos_ids[0]] if i == len(turns) - 1 else [])
         ids += tt
-        mask += [1] * len(tt)
+        weight += [COPY_WEIGHT if x in context and x not in template else 1.0 for x in tt]
         if i < len(obs):
             o = tokenizer.encode(obs[i])
             ids += o
-            mask += [0] * len(o)
-    return ids, mask
+            weight += [0.0] * len(o)
+            context |= set(o)
+    return ids, weight
 
 
 # ----------------------------------------------------------------------------------------------
@@ -300,15 +310,17 @@ def build_backbone(world_dir, out_dir, seed):
         batch = [data[rng.randrange(len(data))] for _ in range(SFT_BATCH)]
         T = max(len(ids) for ids, _ in batch)
         ids = torch.zeros(len(batch), T, dtype=torch.long)
-        mask = torch.zeros(len(batch), T, dtype=torch.bool)
+        weight = torch.zeros(len(batch), T)
         valid = torch.zeros(len(batch), T, dtype=torch.bool)
-        for i, (x, m) in enumerate(batch):
+        for i, (x, w) in enumerate(batch):
             ids[i, :len(x)] = torch.tensor(x)
-            mask[i, :len(x)] = torch.tensor(m, dtype=torch.bool)
+            weight[i, :len(x)] = torch.tensor(w)
             valid[i, :len(x)] = True
-        logits = model(ids[:, :-1], valid=valid[:, :-1])  # (B, T-1, V)
-        target = mask[:, 1:]
-        loss = F.cross_entropy(logits[target], ids[:, 1:][target])
+        h = model.hidden(ids[:, :-1], valid=valid[:, :-1])  # (B, T-1, d)
+        target = weight[:, 1:] > 0  # the agent's tokens
+        logits = F.linear(h[target], model.lm_head_weight)  # (n, V) only where there is a loss
+        w = weight[:, 1:][target]
+        loss = (F.cross_entropy(logits, ids[:, 1:][target], reduction="none") * w).sum() / w.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -10,6 +10,7 @@ table gives the best of `--repeats` wall times and the peak resident memory abov
   ours-fused     ofsd.fused_linear_clipped_kl from hidden states (T, 896) + LM head (V, 896): the
                  training path; logits never exist beyond one chunk (input = hidden states, so it
                  also pays the two LM-head matmuls per chunk that the others get for free)
+  naive-fused    the same hidden-state input through two full matmuls and the naive loss
 On CUDA (--device cuda, bf16 by default there) ours-chunked is the Triton kernel.
 
     python bench/bench_kl.py [--T 2048] [--V 151936] [--variants naive,compiled,ours-chunked,ours-fused]
@@ -36,7 +37,7 @@ def rss_mb():
 def run(variant, T, V, dtype, device, repeats, q):
     torch.manual_seed(0)
     d = 896
-    if variant == "ours-fused":
+    if variant in ("ours-fused", "naive-fused"):
         hs = torch.randn(T, d, device=device, dtype=dtype)
         ht = torch.randn(T, d, device=device, dtype=dtype)
         w = torch.randn(V, d, device=device, dtype=dtype) * 0.07
@@ -52,13 +53,16 @@ def run(variant, T, V, dtype, device, repeats, q):
     elif variant == "naive":
         def fn(x):
             return ofsd.clipped_forward_kl_reference(x, t, 0.01)
+    elif variant == "naive-fused":
+        def fn(x):
+            return ofsd.clipped_forward_kl_reference(x @ w.T, ht @ w.T, 0.01)
     elif variant == "ours-chunked":
         def fn(x):
             return ofsd.clipped_forward_kl(x, t, 0.01)
     else:
         def fn(x):
             return ofsd.fused_linear_clipped_kl(x, ht, w, 0.01, chunk=256)
-    x = (hs if variant == "ours-fused" else s).clone().requires_grad_(True)
+    x = (hs if variant.endswith("fused") else s).clone().requires_grad_(True)
     base = rss_mb()
     if device == "cuda":
         torch.cuda.synchronize()
@@ -87,7 +91,7 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--variants", default="naive,compiled,ours-chunked,ours-fused")
+    ap.add_argument("--variants", default="naive,compiled,ours-chunked,naive-fused,ours-fused")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
     ctx = mp.get_context("spawn")
