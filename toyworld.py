@@ -33,6 +33,7 @@ Left out: natural-language variety (templates are fixed), numeric-reasoning ques
 
 import argparse
 import json
+import math
 import os
 import random
 import shutil
@@ -280,7 +281,7 @@ def scripted_tokens(tokenizer, q, index, rng):
 # ----------------------------------------------------------------------------------------------
 # the backbone
 
-def build_backbone(world_dir, out_dir, seed):
+def build_backbone(world_dir, out_dir, seed, steps=SFT_STEPS):
     """Train the tokenizer and warm-start the tiny Qwen2 on scripted trajectories; save it."""
     torch.manual_seed(seed)
     rng = random.Random(seed + 2)
@@ -294,7 +295,7 @@ def build_backbone(world_dir, out_dir, seed):
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     tok = M.Tokenizer.train(texts, VOCAB_SIZE, os.path.join(tmp, "tokenizer.json"))
-    data = [scripted_tokens(tok, train[i % len(train)], index, rng) for i in range(SFT_TRAJECTORIES)]
+    data = [scripted_tokens(tok, train[i % len(train)], index, rng) for i in range(min(SFT_TRAJECTORIES, steps * SFT_BATCH))]
     model = M.Qwen2(M.Qwen2Config(vocab_size=VOCAB_SIZE, **BACKBONE))
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -302,9 +303,9 @@ def build_backbone(world_dir, out_dir, seed):
                 p.normal_(0.0, 0.02)
     opt = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.0, betas=(0.9, 0.98))
     model.train()
-    bar = tqdm(range(SFT_STEPS), desc="backbone warm start")
+    bar = tqdm(range(steps), desc="backbone warm start")
     for step in bar:
-        lr = SFT_LR * min(1.0, (step + 1) / 30) * 0.5 * (1 + torch.cos(torch.tensor(step / SFT_STEPS * 3.14159)).item())
+        lr = SFT_LR * min(1.0, (step + 1) / 30) * 0.5 * (1 + math.cos(math.pi * step / steps))  # warm-up, cosine
         for g in opt.param_groups:
             g["lr"] = lr
         batch = [data[rng.randrange(len(data))] for _ in range(SFT_BATCH)]

@@ -1,0 +1,83 @@
+"""toyworld.py: determinism, disjoint splits, answerability, the scripted agent, the backbone format."""
+
+import filecmp
+import json
+import os
+import random
+
+import pytest
+import torch
+
+import model as M
+import retriever as R
+import rollout as RO
+import toyworld as TW
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("world"))
+    TW.write_world(d, seed=3)
+    return d
+
+
+def test_same_seed_same_bytes(world, tmp_path):
+    """The same seed writes byte-identical corpus and questions; another seed does not."""
+    TW.write_world(str(tmp_path / "a"), seed=3)
+    TW.write_world(str(tmp_path / "b"), seed=4)
+    for f in ("corpus.jsonl", "train.jsonl", "test.jsonl"):
+        assert filecmp.cmp(os.path.join(world, f), tmp_path / "a" / f, shallow=False)
+        assert not filecmp.cmp(os.path.join(world, f), tmp_path / "b" / f, shallow=False)
+
+
+def test_splits_share_no_subject(world):
+    """No subject entity appears in both train and test; every type is in the test split."""
+    train, test = (TW.read_jsonl(os.path.join(world, f"{s}.jsonl")) for s in ("train", "test"))
+    subj = lambda qs: {s for q in qs for s in q["subjects"]}  # noqa: E731
+    assert not subj(train) & subj(test)
+    assert {q["type"] for q in test} == set(TW.TYPES) and len(test) > 100
+
+
+def test_every_question_is_answerable(world):
+    """Each hop's canonical query (the entity's name) brings its passage, holding the hop's answer,
+    into BM25's top 3; the last hop's answer is the gold answer (comparisons: the earlier-born)."""
+    index = R.load_index(os.path.join(world, "index"))
+    for split in ("train", "test"):
+        for q in TW.read_jsonl(os.path.join(world, f"{split}.jsonl")):
+            for entity, answer in q["hops"]:
+                docs = [index.doc(i) for i, _ in index.search([entity], 3)[0]]
+                assert any(t == entity and answer in x for t, x in docs), (q["question"], entity)
+            if q["type"] == "comparison":
+                (a, ya), (b, yb) = q["hops"]
+                assert q["golden_answers"] == [a if int(ya) < int(yb) else b]
+            else:
+                assert q["golden_answers"] == [q["hops"][-1][1]]
+
+
+def test_scripted_agent_uses_the_protocol(world):
+    """Scripted trajectories use Search-R1's tags and document block, and are mostly correct."""
+    index = R.load_index(os.path.join(world, "index"))
+    rng = random.Random(0)
+    train = TW.read_jsonl(os.path.join(world, "train.jsonl"))[:200]
+    correct, searches = 0, 0
+    for q in train:
+        turns, obs = TW.scripted_turns(q, index, rng)
+        assert all("<search>" in t for t in turns[:-1]) and "<answer>" in turns[-1]
+        assert all(o.startswith(RO.INFO_OPEN + "Doc 1(Title: ") and o.endswith(RO.INFO_CLOSE) for o in obs)
+        correct += RO.extract_answer(turns[-1]) in q["golden_answers"]
+        searches += len(obs) - len(q["hops"])
+    assert 0.6 < correct / len(train) < 0.95  # imperfect, as designed
+    assert searches > 0  # some wasteful repeats
+
+
+def test_backbone_loads_with_transformers(world, tmp_path):
+    """The backbone folder (a 2-step build) is a Qwen2 checkpoint transformers loads identically."""
+    transformers = pytest.importorskip("transformers")
+    TW.build_backbone(world, str(tmp_path / "bb"), seed=0, steps=2)
+    ours, tok = M.load(str(tmp_path / "bb"))
+    ref = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path / "bb"), dtype=torch.float32).eval()
+    ids = torch.tensor([tok.encode(M.chat_prompt(RO.make_prompt("Who founded Kavo Works?")))])
+    with torch.no_grad():
+        assert (ours(ids) - ref(ids).logits).abs().max() <= 1e-4
+    assert tok.decode(ids[0].tolist()).endswith("<|im_start|>assistant\n")
+    assert json.load(open(tmp_path / "bb" / "config.json"))["architectures"] == ["Qwen2ForCausalLM"]
