@@ -59,9 +59,9 @@ BACKBONE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num
                 num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=True)
 VOCAB_SIZE = 3000
 SFT_TRAJECTORIES = 3000
-SFT_STEPS = 400
-SFT_BATCH = 12
-SFT_LR = 3e-3
+SFT_STEPS = 1500
+SFT_BATCH = 4
+SFT_LR = 2e-3
 COPY_WEIGHT = 5.0  # loss weight of agent tokens copied from the question or a document
 TOP_K = 3
 
@@ -112,13 +112,13 @@ def corpus_records(world):
     for c, k in world["cities"].items():
         notable = born_in.get(c, [])[:2]
         extra = f" Notable people born here include {' and '.join(notable)}." if notable else ""
-        recs.append((c, f"{c} is a city in {k}.{extra}"))
+        recs.append((c, f"{c} is a city in the country of {k}.{extra}"))
     for p, f in world["people"].items():
-        recs.append((p, f"{p} was a {f['job']} born in {f['city']} in {f['year']}. "
-                        f"{p.split()[0]} often worked with {f['colleague']}."))
+        recs.append((p, f"{p} was born in the city of {f['city']}. {p} was born in the year {f['year']}. "
+                        f"{p} worked as a {f['job']}. {p.split()[0]} often worked with {f['colleague']}."))
     for c, f in world["companies"].items():
-        recs.append((c, f"{c} is a company founded by {f['founder']} in {f['year']}. "
-                        f"It is headquartered in {f['city']}."))
+        recs.append((c, f"{c} was founded by {f['founder']}. {c} was founded in the year {f['year']}. "
+                        f"{c} is headquartered in the city of {f['city']}."))
     return [{"id": str(i), "contents": f'"{t}"\n{x}'} for i, (t, x) in enumerate(recs)]
 
 
@@ -183,25 +183,12 @@ def read_jsonl(path):
 # ----------------------------------------------------------------------------------------------
 # the scripted agent
 
-def _value_from(doc_text, entity, target_kind):
-    """What a careful reader takes from one passage: the fact that the hop asks for."""
-    words = doc_text.replace(".", " .").replace(",", " ,").split()
-    cue = {"city": ("in",), "year": ("in",), "country": ("in",), "founder": ("by",)}[target_kind]
-    if target_kind == "year":
-        years = [w for w in words if w.isdigit()]
-        return years[0] if years else None
-    for i, w in enumerate(words[:-1]):
-        if w in cue:
-            j = i + 1
-            if target_kind == "founder":
-                return " ".join(words[j:j + 2])
-            if target_kind == "country" and " is a city in " not in doc_text:
-                return None
-            return words[j]
-    return None
+CUES = {"city": " was born in the city of ", "year": " was born in the year ",
+        "country": " is a city in the country of ", "founder": " was founded by "}
 
 
 def _hop_kinds(q):
+    """The relation each hop asks for, in order."""
     text = q["question"]
     if q["type"] == "comparison":
         return ["year", "year"]
@@ -216,45 +203,74 @@ def _hop_kinds(q):
     return ["founder", "city", "country"]
 
 
+def _read(docs, entity, kind):
+    """The agent reads the retrieved documents: (doc number, sentence, value) for the fact `kind`
+    of `entity`, from the entity's own passage when retrieved, else from the first passage."""
+    order = [i for i, (t, _) in enumerate(docs) if t == entity] + list(range(len(docs)))
+    for i in order:
+        title, text = docs[i]
+        for sentence in text.split(". "):
+            if CUES[kind] in sentence:
+                sentence = sentence.rstrip(".") + "."
+                return i + 1, f"Doc {i + 1}(Title: {title}) {sentence}", sentence.split(CUES[kind])[1].rstrip(".")
+    return None, "Nothing useful was found.", "unknown"
+
+
 def scripted_turns(q, index, rng):
-    """(turns, observations) of the imperfect scripted agent: turn texts alternate with retrieved text."""
-    hops, kinds = q["hops"], _hop_kinds(q)
-    early = len(hops) > 1 and q["type"] != "comparison" and rng.random() < 0.25
-    turns, obs, found = [], [], []
-    entity = hops[0][0]
+    """Turn texts and observations of the imperfect scripted agent (a turn follows each observation).
+
+    It searches the question itself first, then each bridge entity by name; after each search it
+    quotes the sentence that answers the hop (so a reader sees the evidence), and answers with its
+    value. Imperfections: 25% of multi-hop trajectories answer after the first hop; 20% of first
+    searches drop the first word of the subject (vague); 20% of searches are repeated once."""
+    kinds = _hop_kinds(q)
+    early = len(kinds) > 1 and q["type"] != "comparison" and rng.random() < 0.25
+    query = q["question"].rstrip("?")
+    if rng.random() < 0.2:  # vague: the subject's first word is left out
+        subject = q["hops"][0][0]
+        query = query.replace(subject, subject.split(" ", 1)[-1]) if " " in subject else query
+    turns, obs = ["<think> Let me search for this. </think>\n"], []
+    entity, found = q["hops"][0][0], []
     for h, kind in enumerate(kinds):
         if q["type"] == "comparison":
-            entity = hops[h][0]
-        vague = rng.random() < 0.2 and " " in entity
-        query = entity.split()[-1] if vague else entity
-        for repeat in range(2 if rng.random() < 0.2 else 1):
-            turns.append(f"<think> I need the {kind} of {entity}. </think>\n<search> {query} </search>")
+            entity = q["hops"][h][0]
+        repeats = 2 if rng.random() < 0.2 else 1
+        if h > 0 and q["type"] == "comparison":
+            query = entity
+            if entity in obs[-1]:
+                repeats = 0  # both people were in the first results
+        for _ in range(repeats):
+            turns[-1] += f"<search> {query} </search>"
             hits = index.search([query], TOP_K)[0]
             docs = [index.doc(i) for i, _ in hits]
             obs.append(RO.observation(docs))
-        own = [x for t, x in docs if t == entity] or [docs[0][1] if docs else ""]
-        value = _value_from(own[0], entity, kind) or "unknown"
+            turns.append("")
+        doc_no, quote, value = _read(docs, entity, kind)
+        if doc_no is None:  # nothing useful (a vague query): search the entity by its name
+            turns[-1] += f"<think> {quote} </think>\n<search> {entity} </search>"
+            docs = [index.doc(i) for i, _ in index.search([entity], TOP_K)[0]]
+            obs.append(RO.observation(docs))
+            turns.append("")
+            _, quote, value = _read(docs, entity, kind)
         found.append(value)
-        if q["type"] != "comparison":
-            entity = value
-        if early and h == 0:
+        turns[-1] += f"<think> {quote} </think>\n"
+        if early or q["type"] != "comparison":
+            entity = query = value
+        if early:
             break
     if q["type"] == "comparison":
-        a, b = hops[0][0], hops[1][0]
-        try:
-            answer = a if int(found[0]) < int(found[1]) else b
-        except ValueError:
-            answer = a
-        think = f"{a} was born in {found[0]} and {b} in {found[1]}."
+        (a, _), (b, _) = q["hops"]
+        years = [int(y) if y.isdigit() else 9999 for y in found]
+        answer = a if years[0] <= years[1] else b
     else:
         answer = found[-1]
-        think = f"The {kinds[len(found) - 1]} is {answer}."
-    turns.append(f"<think> {think} </think>\n<answer> {answer} </answer>")
+    turns[-1] += f"<answer> {answer} </answer>"
     return turns, obs
 
 
-TEMPLATE_TEXT = ("<think> I need the city year founder country of . </think>\n<search> </search> "
-                 "<think> The is was born in and . </think>\n<answer> </answer>")
+TEMPLATE_TEXT = ("<think> Let me search for this. </think>\n<search> </search> <think> Doc 1(Title: ) "
+                 "was born in the city of year is a city in the country of was founded by . </think>\n"
+                 "<answer> </answer> Nothing useful was found.")
 
 
 def scripted_tokens(tokenizer, q, index, rng):
@@ -335,7 +351,8 @@ def build_backbone(world_dir, out_dir, seed, steps=SFT_STEPS):
 def ensure(world_dir, seed, world_only=False):
     """The toy world in world_dir (and its backbone in world_dir/backbone), built once, reused."""
     backbone = os.path.join(world_dir, "backbone")
-    if not os.path.exists(os.path.join(world_dir, "index", "meta.json")):
+    meta = os.path.join(world_dir, "index", "meta.json")
+    if not os.path.exists(meta) or json.load(open(meta)).get("format") != R.FORMAT_VERSION:
         t0 = time.time()
         write_world(world_dir, seed)
         print(f"toy world written to {world_dir} in {time.time() - t0:.0f}s", file=sys.stderr)

@@ -154,3 +154,18 @@ def test_same_topk_as_bm25s(small):
         # bm25s omits Lucene's constant (k1 + 1) factor; compare scores and the ranked set
         assert np.allclose([v for _, v in got][:n], s[0][:n] * 1.9, rtol=1e-5)
         assert sorted(i for i, _ in got[:n]) == sorted(want[0][:n].tolist())
+
+
+def test_pruned_topk_equals_brute_force_on_random_queries(small):
+    """MaxScore pruning never changes the top-k: 200 random queries, k = 1, 3 and 10."""
+    docs, index = small
+    rng = random.Random(1)
+    vocab = [w.lower() for w in WORDS if w.lower() not in R.STOPWORDS] + ["title"]
+    for n in range(200):
+        q = " ".join(rng.choice(vocab[:12] if i % 2 else vocab) for i in range(rng.randint(1, 6)))
+        want = brute_force(docs, q)
+        order = sorted((i for i, w in enumerate(want) if w > 0), key=lambda i: (-want[i], i))
+        for k in (1, 3, 10):
+            got = index.search([q], k)[0]
+            assert [i for i, _ in got] == order[:k], (q, k)
+            assert all(abs(s - want[i]) <= 1e-5 * max(1, want[i]) for i, s in got)
