@@ -49,12 +49,12 @@ index_dir = ""                 # BM25 index; "" = the toy world's               
 train_file = ""                # FlashRAG questions; "" = toy train.jsonl       (NQ + HotpotQA train)
 test_file = ""                 # "" = toy test.jsonl                            (the seven benchmarks)
 test_limit = 0                 # evaluate on the first N test questions; 0 = all
-iterations = 3                 # GRPO round + OFSD round pairs
-grpo_steps = 10                # GRPO optimizer steps per round
+iterations = 2                 # GRPO round + OFSD round pairs
+grpo_steps = 15                # GRPO optimizer steps per round
 questions_per_step = 16        # questions per GRPO step, over all ranks      (512)
 group_size = 5                 # G rollouts per question                      (5)
 micro_batch = 20               # trajectories per forward/backward            (memory-bound)
-lr = 2e-5                      # GRPO AdamW learning rate                     (1e-6)
+lr = 1e-4                      # GRPO AdamW learning rate                     (1e-6)
 warmup_steps = 3               # linear warm-up of the GRPO learning rate
 kl_coef = 0.001                # KL-to-reference coefficient (k3 estimator)   (0.001)
 kl_ref = "round"               # KL reference: "round" = the policy this GRPO round started from
@@ -65,14 +65,14 @@ max_grad_norm = 1.0            # gradient-norm clip                           (1
 temperature = 1.0              # rollout sampling temperature                 (1.0)
 top_p = 1.0                    # rollout nucleus sampling                     (1.0; 0.95 in some versions)
 max_turns = 4                  # searching turns before the answer-only turn  (4)
-max_turn_tokens = 64           # per-turn response cap                        (500)
+max_turn_tokens = 80           # per-turn response cap                        (500)
 max_obs_tokens = 256           # observation cap                              (500)
 top_k = 3                      # documents per search                         (3)
 ofsd = True                    # False: the GRPO-only ablation (same GRPO steps, no OFSD rounds)
 ofsd_questions = 64            # questions rolled out to mine pairs per OFSD round
 lora_rank = 16                 # LoRA rank
 lora_alpha = 32                # LoRA alpha
-lora_lr = 2e-3                 # LoRA AdamW learning rate
+lora_lr = 2e-4                 # LoRA AdamW learning rate
 lora_epochs = 2                # passes over the round's pairs
 ofsd_micro_batch = 4           # pairs per OFSD optimizer step
 tau_clip = 0.05                # clip on each (position, vocabulary) KL term

@@ -18,7 +18,7 @@ Questions (FlashRAG `question` / `golden_answers`, plus `type` and the canonical
     three_hop  "In which country was the founder of C born?"
 Train and test share no subject entity; the test split is the built-in benchmark.
 
-Backbone: a tiny Qwen2 (4 layers, hidden 128, 4 query / 2 key-value heads), a byte-level BPE
+Backbone: a tiny Qwen2 (3 layers, hidden 128, 4 query / 2 key-value heads), a byte-level BPE
 tokenizer trained on the world's text plus the chat tokens, warm-started by supervised training
 (loss on the agent's tokens only) on trajectories of a scripted agent that uses the real BM25
 index and rollout.py's exact prompt, tags and document block. The scripted agent is imperfect
@@ -28,7 +28,7 @@ answering correctly (right but wasteful).
 
 Left out: natural-language variety (templates are fixed), numeric-reasoning questions.
 
-    python toyworld.py OUT_DIR [--seed N] [--world-only]
+    python toyworld.py OUT_DIR [--seed N] [--world-only] [--stats]
 """
 
 import argparse
@@ -47,6 +47,7 @@ from tqdm import tqdm
 import model as M
 import retriever as R
 import rollout as RO
+from ofsd import PRIVILEGED
 
 SYLLABLES = ("ka ri to mo ne sa lu vi den bor tal mir gan sel dor fen kas lin tor var bel mon "
              "rus pel dan vor len tes kor zal nim ros").split()
@@ -55,14 +56,16 @@ N_COUNTRIES, N_CITIES, N_FIRST, N_LAST, N_PEOPLE, N_COMPANIES = 14, 56, 70, 90, 
 TYPES = ("single", "bridge", "comparison", "three_hop")
 
 # backbone (tiny Qwen2) and its warm start
-BACKBONE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+BACKBONE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=True)
 VOCAB_SIZE = 3000
 SFT_TRAJECTORIES = 3000
-SFT_STEPS = 1500
+SFT_STEPS = 1800
 SFT_BATCH = 4
 SFT_LR = 2e-3
 COPY_WEIGHT = 5.0  # loss weight of agent tokens copied from the question or a document
+P_EARLY, P_VAGUE, P_REPEAT = 0.2, 0.2, 0.3  # the scripted agent's imperfections
+P_PRIVILEGED = 0.2  # share of warm-start examples that show a reference trajectory (OFSD's teacher view)
 TOP_K = 3
 
 
@@ -216,7 +219,7 @@ def _read(docs, entity, kind):
     return None, "Nothing useful was found.", "unknown"
 
 
-def scripted_turns(q, index, rng):
+def scripted_turns(q, index, rng, imperfect=True):
     """Turn texts and observations of the imperfect scripted agent (a turn follows each observation).
 
     It searches the question itself first, then each bridge entity by name; after each search it
@@ -224,9 +227,9 @@ def scripted_turns(q, index, rng):
     value. Imperfections: 25% of multi-hop trajectories answer after the first hop; 20% of first
     searches drop the first word of the subject (vague); 20% of searches are repeated once."""
     kinds = _hop_kinds(q)
-    early = len(kinds) > 1 and q["type"] != "comparison" and rng.random() < 0.25
+    early = imperfect and len(kinds) > 1 and q["type"] != "comparison" and rng.random() < P_EARLY
     query = q["question"].rstrip("?")
-    if rng.random() < 0.2:  # vague: the subject's first word is left out
+    if imperfect and rng.random() < P_VAGUE:  # vague: the subject's first word is left out
         subject = q["hops"][0][0]
         query = query.replace(subject, subject.split(" ", 1)[-1]) if " " in subject else query
     turns, obs = ["<think> Let me search for this. </think>\n"], []
@@ -234,7 +237,7 @@ def scripted_turns(q, index, rng):
     for h, kind in enumerate(kinds):
         if q["type"] == "comparison":
             entity = q["hops"][h][0]
-        repeats = 2 if rng.random() < 0.2 else 1
+        repeats = 2 if imperfect and rng.random() < P_REPEAT else 1
         if h > 0 and q["type"] == "comparison":
             query = entity
             if entity in obs[-1]:
@@ -273,25 +276,50 @@ TEMPLATE_TEXT = ("<think> Let me search for this. </think>\n<search> </search> <
                  "<answer> </answer> Nothing useful was found.")
 
 
-def scripted_tokens(tokenizer, q, index, rng):
-    """Token ids and per-token loss weights of one scripted trajectory: 0 on the prompt and the
-    observations; on the agent's own tokens 1, or COPY_WEIGHT where the agent copies a word from
-    the question or a document (names, years): the skill a tiny model is slowest to pick up."""
-    turns, obs = scripted_turns(q, index, rng)
-    template = set(tokenizer.encode(TEMPLATE_TEXT)) | set(tokenizer.eos_ids)
-    ids = tokenizer.encode(M.chat_prompt(RO.make_prompt(q["question"])))
-    weight = [0.0] * len(ids)
-    context = set(tokenizer.encode(q["question"]))
+def _turn_tokens(tokenizer, turns, obs, context):
+    """Interleave turns and observations -> (ids, weights); `context` collects copyable ids."""
+    ids, weight = [], []
     for i, t in enumerate(turns):
         tt = tokenizer.encode(t) + ([tokenizer.eos_ids[0]] if i == len(turns) - 1 else [])
         ids += tt
-        weight += [COPY_WEIGHT if x in context and x not in template else 1.0 for x in tt]
+        weight += [COPY_WEIGHT if x in context and x not in _template(tokenizer) else 1.0 for x in tt]
         if i < len(obs):
             o = tokenizer.encode(obs[i])
             ids += o
             weight += [0.0] * len(o)
             context |= set(o)
     return ids, weight
+
+
+_TEMPLATES = {}
+
+
+def _template(tokenizer):
+    if id(tokenizer) not in _TEMPLATES:
+        _TEMPLATES[id(tokenizer)] = set(tokenizer.encode(TEMPLATE_TEXT)) | set(tokenizer.eos_ids)
+    return _TEMPLATES[id(tokenizer)]
+
+
+def scripted_tokens(tokenizer, q, index, rng, privileged=False):
+    """Token ids and per-token loss weights of one scripted trajectory: 0 on the prompt and the
+    observations; on the agent's own tokens 1, or COPY_WEIGHT where the agent copies a word from
+    the question or a document (names, years): the skill a tiny model is slowest to pick up.
+
+    privileged=True: the prompt also shows a clean reference trajectory in OFSD's teacher
+    wording (ofsd.PRIVILEGED), and the agent follows it, so the backbone can read privileged
+    context the way an instruct model reads a worked example (OFSD's teacher relies on that)."""
+    context = set(tokenizer.encode(q["question"]))
+    message = RO.make_prompt(q["question"])
+    if privileged:
+        turns, obs = scripted_turns(q, index, rng, imperfect=False)
+        ref_ids, _ = _turn_tokens(tokenizer, turns, obs, set())
+        message += PRIVILEGED.format(reference=tokenizer.decode(ref_ids))
+        context |= set(ref_ids)
+    else:
+        turns, obs = scripted_turns(q, index, rng)
+    prompt = tokenizer.encode(M.chat_prompt(message))
+    ids, weight = _turn_tokens(tokenizer, turns, obs, context)
+    return prompt + ids, [0.0] * len(prompt) + weight
 
 
 # ----------------------------------------------------------------------------------------------
@@ -311,7 +339,8 @@ def build_backbone(world_dir, out_dir, seed, steps=SFT_STEPS):
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     tok = M.Tokenizer.train(texts, VOCAB_SIZE, os.path.join(tmp, "tokenizer.json"))
-    data = [scripted_tokens(tok, train[i % len(train)], index, rng) for i in range(min(SFT_TRAJECTORIES, steps * SFT_BATCH))]
+    data = [scripted_tokens(tok, train[i % len(train)], index, rng, privileged=rng.random() < P_PRIVILEGED)
+            for i in range(min(SFT_TRAJECTORIES, steps * SFT_BATCH))]
     model = M.Qwen2(M.Qwen2Config(vocab_size=VOCAB_SIZE, **BACKBONE))
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -363,14 +392,44 @@ def ensure(world_dir, seed, world_only=False):
     return world_dir, backbone
 
 
+def backbone_stats(world_dir, group_size=5, max_turn_tokens=80, max_obs_tokens=256, seed=0):
+    """The warm start's targets on the test split: greedy EM per type; the share of questions whose
+    group of `group_size` samples (temperature 1) holds both a correct and an incorrect answer;
+    mean searches per question against the minimum (one per hop)."""
+    from grpo import exact_match
+    model, tok = M.load(os.path.join(world_dir, "backbone"))
+    index = R.load_index(os.path.join(world_dir, "index"))
+    test = read_jsonl(os.path.join(world_dir, "test.jsonl"))
+    args = dict(max_turns=4, max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens, top_k=TOP_K)
+    greedy = RO.rollout(model, tok, index, [q["question"] for q in test], 1, temperature=0.0, top_p=1.0,
+                        generator=None, **args)
+    trajs = RO.rollout(model, tok, index, [q["question"] for q in test], group_size, temperature=1.0, top_p=1.0,
+                       generator=torch.Generator().manual_seed(seed), **args)
+    em = {t: [] for t in TYPES}
+    for q, t in zip(test, greedy):
+        em[q["type"]].append(exact_match(t.answer, q["golden_answers"]))
+    mixed = 0
+    for i, q in enumerate(test):
+        r = {exact_match(t.answer, q["golden_answers"]) for t in trajs[i * group_size:(i + 1) * group_size]}
+        mixed += len(r) == 2
+    out = {f"em_{k}": sum(v) / len(v) for k, v in em.items()}
+    out.update(em=sum(sum(v) for v in em.values()) / len(test), mixed_groups=mixed / len(test),
+               searches=sum(t.n_search for t in greedy) / len(test),
+               min_searches=sum(len(q["hops"]) for q in test) / len(test))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description="write the toy world (and its backbone)")
     ap.add_argument("out_dir")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--world-only", action="store_true")
+    ap.add_argument("--stats", action="store_true", help="measure the backbone on the test split")
     args = ap.parse_args()
     world_dir, backbone = ensure(args.out_dir, args.seed, args.world_only)
     print(f"world: {world_dir}" + ("" if args.world_only else f"\nbackbone: {backbone}"))
+    if args.stats:
+        print(json.dumps(backbone_stats(world_dir), indent=1))
 
 
 if __name__ == "__main__":
