@@ -140,6 +140,10 @@ if __name__ == "__main__":
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
     rounds = ["eval"] + [r for _ in range(iterations) for r in (("grpo", "ofsd") if ofsd else ("grpo",))]
     done, results, step = 0, [], 0  # finished rounds, evaluation rows, GRPO steps so far
+    if resume and master and not os.path.exists(ckpt_dir) and os.path.exists(ckpt_dir + ".old"):
+        os.replace(ckpt_dir + ".old", ckpt_dir)  # killed between the checkpoint's two renames
+    if distributed:
+        dist.barrier()
     if resume and os.path.exists(os.path.join(ckpt_dir, "state.json")):
         with open(os.path.join(ckpt_dir, "state.json")) as f:
             state = json.load(f)
