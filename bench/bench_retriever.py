@@ -140,7 +140,7 @@ def main():
         results.append(q.get())
         p.join()
         print(f"  {results[-1][0]} done", file=sys.stderr)
-    bf = brute_force_top10(corpus, queries[: args.check])
+    bf = brute_force_top10(corpus, queries[: args.check]) if args.check else []
     ours = results[0]
     print(f"\n{args.docs:,} passages, {ours[5]:,} postings, {len(queries)} queries, top-10, 1 thread\n")
     print("| system | build s | peak RSS MB | queries/s | top-10 = brute force |")
