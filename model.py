@@ -24,7 +24,6 @@ speculative decoding, beam search.
 """
 
 import json
-import math
 import os
 import shutil
 import sys

@@ -8,7 +8,6 @@ import sys
 import time
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 import model as M
