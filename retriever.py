@@ -215,7 +215,8 @@ class Index:
             if arrays[name].shape != (n,):
                 raise ValueError(f"{path}: shape {arrays[name].shape}, meta.json says ({n},)")
         self.indptr = np.asarray(arrays["indptr"])
-        self.docs, self.scores = arrays["docs"], arrays["scores"]
+        # plain ndarray views of the maps (no copy): slicing a np.memmap costs a subclass hook per call
+        self.docs, self.scores = np.asarray(arrays["docs"]), np.asarray(arrays["scores"])
         self.doc_offsets = arrays["doc_offsets"]
         if self.indptr[-1] != meta["n_postings"]:
             raise ValueError(f"{index_dir}/indptr.npy: ends at {self.indptr[-1]}, expected {meta['n_postings']}")
