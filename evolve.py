@@ -175,6 +175,11 @@ if __name__ == "__main__":
         qs = [train[rng.randrange(len(train))] for _ in range(n)]
         return qs[rank::world]
 
+    def exact_match_rewards(trajs, qs):
+        """R = EM of each trajectory's answer; trajectories are question-major, group_size each."""
+        return [grpo.exact_match(t.answer, q["golden_answers"])
+                for t, q in zip(trajs, (q for q in qs for _ in range(group_size)))]
+
     def check_ranks_identical():
         """Every rank must hold the same weights: compare a float64 checksum across ranks."""
         if not distributed:
@@ -200,8 +205,7 @@ if __name__ == "__main__":
                 qs = sample_questions(questions_per_step)
                 with torch.no_grad():
                     trajs = rollout(policy, tokenizer, index, [q["question"] for q in qs], group_size, **rollout_args)
-                rewards = [grpo.exact_match(t.answer, q["golden_answers"])
-                           for t, q in zip(trajs, (q for q in qs for _ in range(group_size)))]
+                rewards = exact_match_rewards(trajs, qs)
                 adv = grpo.group_advantages(rewards, group_size).tolist()
                 for g in optimizer.param_groups:
                     g["lr"] = lr * min(1.0, (step + 1) / warmup_steps)
@@ -225,8 +229,7 @@ if __name__ == "__main__":
             qs = sample_questions(ofsd_questions)
             with torch.no_grad():
                 trajs = rollout(policy, tokenizer, index, [q["question"] for q in qs], group_size, **rollout_args)
-            rewards = [grpo.exact_match(t.answer, q["golden_answers"])
-                       for t, q in zip(trajs, (q for q in qs for _ in range(group_size)))]
+            rewards = exact_match_rewards(trajs, qs)
             pairs = OF.mine_pairs(trajs, rewards, group_size)
             if distributed:  # every rank runs the same round on all ranks' pairs (the round is cheap)
                 gathered = [None] * world

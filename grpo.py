@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import model as M
+
 
 def normalize_answer(s):
     """Search-R1 / SQuAD normalisation: lowercase, drop punctuation and articles, squeeze spaces."""
@@ -53,18 +55,12 @@ def group_advantages(rewards, group_size, eps=1e-6):
 
 def pad_batch(trajs, pad_id, device):
     """Right-pad trajectories -> ids, valid, loss_mask (B, T) and the rollout log-probs (B, T)."""
-    T = max(len(t.tokens) for t in trajs)
-    ids = torch.full((len(trajs), T), pad_id, dtype=torch.long)
-    valid = torch.zeros(len(trajs), T, dtype=torch.bool)
-    mask = torch.zeros(len(trajs), T, dtype=torch.bool)
-    old = torch.zeros(len(trajs), T)
+    ids, valid = M.pad_right([t.tokens for t in trajs], pad_id, device)
+    mask = M.pad_right([t.loss_mask for t in trajs], 0, device)[0].bool()
+    old = torch.zeros(ids.shape, device=device)
     for i, t in enumerate(trajs):
-        n = len(t.tokens)
-        ids[i, :n] = torch.tensor(t.tokens)
-        valid[i, :n] = True
-        mask[i, :n] = torch.tensor(t.loss_mask, dtype=torch.bool)
-        old[i, :n] = torch.tensor(t.logprobs)
-    return ids.to(device), valid.to(device), mask.to(device), old.to(device)
+        old[i, :len(t.logprobs)] = torch.tensor(t.logprobs, device=device)
+    return ids, valid, mask, old
 
 
 def token_logprobs(model, ids, valid, mask, temperature):

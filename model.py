@@ -402,6 +402,17 @@ def save(model, tokenizer, path):
 # ----------------------------------------------------------------------------------------------
 # generation
 
+def pad_right(seqs, pad_id=0, device="cpu"):
+    """Token lists -> right-padded ids (B, T) and valid (B, T), the batch layout used everywhere."""
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    valid = torch.zeros(len(seqs), T, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+        valid[i, :len(s)] = True
+    return ids.to(device), valid.to(device)
+
+
 @torch.no_grad()
 def extend(model, cache, chunks, logits=None):
     """Append token lists (one per row, any length, possibly empty) to the cache.
@@ -410,15 +421,10 @@ def extend(model, cache, chunks, logits=None):
     `logits` row when its chunk is empty. This is the prefill and the forced-token path.
     """
     B = len(chunks)
-    T = max(len(c) for c in chunks)
     dev = cache.valid.device
-    if T == 0:
+    if max(len(c) for c in chunks) == 0:
         return logits
-    ids = torch.zeros(B, T, dtype=torch.long, device=dev)
-    valid = torch.zeros(B, T, dtype=torch.bool, device=dev)
-    for i, c in enumerate(chunks):
-        ids[i, :len(c)] = torch.tensor(c, dtype=torch.long)
-        valid[i, :len(c)] = True
+    ids, valid = pad_right(chunks, 0, dev)  # (B, T) each
     h = model.hidden(ids, cache, valid)  # (B, T, d)
     last = (valid.sum(1) - 1).clamp(min=0)  # (B,)
     new = F.linear(h[torch.arange(B, device=dev), last], model.lm_head_weight).float()  # (B, V)

@@ -106,13 +106,8 @@ def pair_sequences(tokenizer, ref, stu):
 
 def _gather_hidden(model, seqs, positions):
     """Hidden states that predict each listed position: (sum of len(positions), d)."""
-    T = max(map(len, seqs))
     dev = model.model.embed_tokens.weight.device
-    ids = torch.zeros(len(seqs), T, dtype=torch.long, device=dev)
-    valid = torch.zeros(len(seqs), T, dtype=torch.bool, device=dev)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)] = torch.tensor(s)
-        valid[i, :len(s)] = True
+    ids, valid = M.pad_right(seqs, 0, dev)  # (B, T) each
     h = model.hidden(ids, valid=valid)  # (B, T, d)
     rows = torch.tensor([i for i, ps in enumerate(positions) for _ in ps], device=dev)
     cols = torch.tensor([p - 1 for ps in positions for p in ps], device=dev)
@@ -154,6 +149,17 @@ def _loss_and_grad_torch(zs, zt, tau_clip, row_scale, out):
 
 if triton is not None:
     @triton.jit
+    def _block_terms(s_row, t_row, start, offs, V, lse_s, lse_t):
+        """One vocabulary block of a row: (in range, log Ps, Pt, f = Pt (log Pt - log Ps))."""
+        msk = start + offs < V
+        s = tl.load(s_row + start + offs, mask=msk, other=0.0).to(tl.float32)
+        t = tl.load(t_row + start + offs, mask=msk, other=0.0).to(tl.float32)
+        log_ps = s - lse_s
+        log_pt = t - lse_t
+        pt = tl.exp(log_pt)
+        return msk, log_ps, pt, pt * (log_pt - log_ps)
+
+    @triton.jit
     def _clipped_kl_kernel(S_ptr, T_ptr, LOSS_ptr, GRAD_ptr, SCALE_ptr, stride_s, stride_t, stride_g,
                            V, tau_clip, BLOCK: tl.constexpr):
         """One program per row. Online softmax over the vocabulary in blocks (nothing (N, V) is
@@ -184,24 +190,14 @@ if triton is not None:
         loss = tl.zeros([1], tl.float32)
         S = tl.zeros([1], tl.float32)
         for start in range(0, V, BLOCK):
-            msk = start + offs < V
-            s = tl.load(s_row + start + offs, mask=msk, other=0.0).to(tl.float32)
-            t = tl.load(t_row + start + offs, mask=msk, other=0.0).to(tl.float32)
-            log_pt = t - lse_t
-            pt = tl.exp(log_pt)
-            f = pt * (log_pt - (s - lse_s))
+            msk, log_ps, pt, f = _block_terms(s_row, t_row, start, offs, V, lse_s, lse_t)
             keep = msk & (f <= tau_clip)
             loss += tl.sum(tl.where(msk, tl.minimum(f, tau_clip), 0.0), 0)
             S += tl.sum(tl.where(keep, pt, 0.0), 0)
         scale = tl.load(SCALE_ptr + row)
         for start in range(0, V, BLOCK):
-            msk = start + offs < V
-            s = tl.load(s_row + start + offs, mask=msk, other=0.0).to(tl.float32)
-            t = tl.load(t_row + start + offs, mask=msk, other=0.0).to(tl.float32)
-            log_pt = t - lse_t
-            pt = tl.exp(log_pt)
-            f = pt * (log_pt - (s - lse_s))
-            g = tl.exp(s - lse_s) * S - tl.where(f <= tau_clip, pt, 0.0)
+            msk, log_ps, pt, f = _block_terms(s_row, t_row, start, offs, V, lse_s, lse_t)
+            g = tl.exp(log_ps) * S - tl.where(f <= tau_clip, pt, 0.0)
             tl.store(g_row + start + offs, (g * scale).to(GRAD_ptr.dtype.element_ty), mask=msk)
         tl.store(LOSS_ptr + row + tl.arange(0, 1), loss)
 

@@ -276,28 +276,19 @@ TEMPLATE_TEXT = ("<think> Let me search for this. </think>\n<search> </search> <
                  "<answer> </answer> Nothing useful was found.")
 
 
-def _turn_tokens(tokenizer, turns, obs, context):
+def _turn_tokens(tokenizer, turns, obs, context, template):
     """Interleave turns and observations -> (ids, weights); `context` collects copyable ids."""
     ids, weight = [], []
     for i, t in enumerate(turns):
         tt = tokenizer.encode(t) + ([tokenizer.eos_ids[0]] if i == len(turns) - 1 else [])
         ids += tt
-        weight += [COPY_WEIGHT if x in context and x not in _template(tokenizer) else 1.0 for x in tt]
+        weight += [COPY_WEIGHT if x in context and x not in template else 1.0 for x in tt]
         if i < len(obs):
             o = tokenizer.encode(obs[i])
             ids += o
             weight += [0.0] * len(o)
             context |= set(o)
     return ids, weight
-
-
-_TEMPLATES = {}
-
-
-def _template(tokenizer):
-    if id(tokenizer) not in _TEMPLATES:
-        _TEMPLATES[id(tokenizer)] = set(tokenizer.encode(TEMPLATE_TEXT)) | set(tokenizer.eos_ids)
-    return _TEMPLATES[id(tokenizer)]
 
 
 def scripted_tokens(tokenizer, q, index, rng, privileged=False):
@@ -308,17 +299,18 @@ def scripted_tokens(tokenizer, q, index, rng, privileged=False):
     privileged=True: the prompt also shows a clean reference trajectory in OFSD's teacher
     wording (ofsd.PRIVILEGED), and the agent follows it, so the backbone can read privileged
     context the way an instruct model reads a worked example (OFSD's teacher relies on that)."""
+    template = set(tokenizer.encode(TEMPLATE_TEXT)) | set(tokenizer.eos_ids)  # never weighted as copies
     context = set(tokenizer.encode(q["question"]))
     message = RO.make_prompt(q["question"])
     if privileged:
         turns, obs = scripted_turns(q, index, rng, imperfect=False)
-        ref_ids, _ = _turn_tokens(tokenizer, turns, obs, set())
+        ref_ids, _ = _turn_tokens(tokenizer, turns, obs, set(), template)
         message += PRIVILEGED.format(reference=tokenizer.decode(ref_ids))
         context |= set(ref_ids)
     else:
         turns, obs = scripted_turns(q, index, rng)
     prompt = tokenizer.encode(M.chat_prompt(message))
-    ids, weight = _turn_tokens(tokenizer, turns, obs, context)
+    ids, weight = _turn_tokens(tokenizer, turns, obs, context, template)
     return prompt + ids, [0.0] * len(prompt) + weight
 
 
@@ -354,14 +346,10 @@ def build_backbone(world_dir, out_dir, seed, steps=SFT_STEPS):
         for g in opt.param_groups:
             g["lr"] = lr
         batch = [data[rng.randrange(len(data))] for _ in range(SFT_BATCH)]
-        T = max(len(ids) for ids, _ in batch)
-        ids = torch.zeros(len(batch), T, dtype=torch.long)
-        weight = torch.zeros(len(batch), T)
-        valid = torch.zeros(len(batch), T, dtype=torch.bool)
-        for i, (x, w) in enumerate(batch):
-            ids[i, :len(x)] = torch.tensor(x)
-            weight[i, :len(x)] = torch.tensor(w)
-            valid[i, :len(x)] = True
+        ids, valid = M.pad_right([x for x, _ in batch])  # (B, T) each
+        weight = torch.zeros(ids.shape)
+        for i, (_, w) in enumerate(batch):
+            weight[i, :len(w)] = torch.tensor(w)
         h = model.hidden(ids[:, :-1], valid=valid[:, :-1])  # (B, T-1, d)
         target = weight[:, 1:] > 0  # the agent's tokens
         logits = F.linear(h[target], model.lm_head_weight)  # (n, V) only where there is a loss
