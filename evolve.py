@@ -50,11 +50,11 @@ train_file = ""                # FlashRAG questions; "" = toy train.jsonl       
 test_file = ""                 # "" = toy test.jsonl                            (the seven benchmarks)
 test_limit = 0                 # evaluate on the first N test questions; 0 = all
 iterations = 2                 # GRPO round + OFSD round pairs
-grpo_steps = 15                # GRPO optimizer steps per round
+grpo_steps = 25                # GRPO optimizer steps per round
 questions_per_step = 16        # questions per GRPO step, over all ranks      (512)
 group_size = 5                 # G rollouts per question                      (5)
 micro_batch = 20               # trajectories per forward/backward            (memory-bound)
-lr = 1e-4                      # GRPO AdamW learning rate                     (1e-6)
+lr = 2e-4                      # GRPO AdamW learning rate                     (1e-6)
 warmup_steps = 3               # linear warm-up of the GRPO learning rate
 kl_coef = 0.001                # KL-to-reference coefficient (k3 estimator)   (0.001)
 kl_ref = "round"               # KL reference: "round" = the policy this GRPO round started from
@@ -62,7 +62,9 @@ kl_ref = "round"               # KL reference: "round" = the policy this GRPO ro
                                # consolidation); "initial" = the starting model, as the anchor
 clip_ratio = 0.2               # PPO clip epsilon                             (0.2)
 max_grad_norm = 1.0            # gradient-norm clip                           (1.0)
-temperature = 1.0              # rollout sampling temperature                 (1.0)
+temperature = 0.6              # rollout sampling temperature                 (1.0)
+                               # (toy: at 1.0 the tiny backbone's samples are mostly wrong and
+                               # few groups hold a correct answer; at 0.6 more groups are mixed)
 top_p = 1.0                    # rollout nucleus sampling                     (1.0; 0.95 in some versions)
 max_turns = 4                  # searching turns before the answer-only turn  (4)
 max_turn_tokens = 80           # per-turn response cap                        (500)

@@ -7,9 +7,12 @@ founder, headquarters and founding year. Nothing can be known without searching,
 relation has dozens of possible answers, so guessing is hopeless.
 
 Corpus (FlashRAG JSON lines, `contents` = "Title"\\ntext): one passage per entity. Distractors:
-people share first names and surnames (a vague query finds the wrong person), and passages
-mention other entities in passing (a city lists people born there, a person's passage names a
-colleague, a company names its founder).
+every given name x family name is a person (21 x 20) and every stem x kind a company (30 x 6), so a
+vague query (a family name alone) finds the wrong person, and passages mention other entities in
+passing (a city lists people born there, a person's passage names a colleague, a company names
+its founder). The full cross also means any family name can follow a given name: a tiny model
+can only copy a name from the question, it cannot recall one (with unique names it recalled the
+training names instead of copying the test ones).
 
 Questions (FlashRAG `question` / `golden_answers`, plus `type` and the canonical `hops`):
     single     "In which city was P born?"  "Who founded C?"  "In which country is the city X?"
@@ -23,12 +26,12 @@ tokenizer trained on the world's text plus the chat tokens, warm-started by supe
 (loss on the agent's tokens only) on trajectories of a scripted agent that uses the real BM25
 index and rollout.py's exact prompt, tags and document block. The scripted agent is imperfect
 in ways RL and OFSD can fix: it sometimes answers after the first hop, sometimes searches a vague
-query (a surname alone) and trusts the top document, and sometimes repeats a search before
+query (a family name alone) and trusts the top document, and sometimes repeats a search before
 answering correctly (right but wasteful).
 
 Left out: natural-language variety (templates are fixed), numeric-reasoning questions.
 
-    python toyworld.py OUT_DIR [--seed N] [--world-only] [--stats]
+    python toyworld.py OUT_DIR [--seed N] [--world-only] [--stats [--temperature T]]
 """
 
 import argparse
@@ -52,7 +55,8 @@ from ofsd import PRIVILEGED
 SYLLABLES = ("ka ri to mo ne sa lu vi den bor tal mir gan sel dor fen kas lin tor var bel mon "
              "rus pel dan vor len tes kor zal nim ros").split()
 OCCUPATIONS = ("painter", "engineer", "chemist", "poet", "merchant", "architect", "composer", "sailor")
-N_COUNTRIES, N_CITIES, N_FIRST, N_LAST, N_PEOPLE, N_COMPANIES = 14, 56, 70, 90, 420, 180
+N_COUNTRIES, N_CITIES, N_GIVEN, N_FAMILY, N_STEMS = 14, 56, 21, 20, 30  # 420 people, 180 companies
+COMPANY_KINDS = ("Works", "Company", "Group", "Trading", "Mills", "Foundry")
 TYPES = ("single", "bridge", "comparison", "three_hop")
 
 # backbone (tiny Qwen2) and its warm start
@@ -64,7 +68,7 @@ SFT_STEPS = 1800
 SFT_BATCH = 4
 SFT_LR = 2e-3
 COPY_WEIGHT = 5.0  # loss weight of agent tokens copied from the question or a document
-P_EARLY, P_VAGUE, P_REPEAT = 0.2, 0.2, 0.3  # the scripted agent's imperfections
+P_EARLY, P_VAGUE, P_REPEAT = 0.1, 0.2, 0.4  # the scripted agent's imperfections
 P_PRIVILEGED = 0.2  # share of warm-start examples that show a reference trajectory (OFSD's teacher view)
 TOP_K = 3
 
@@ -81,20 +85,17 @@ def _names(rng, n, parts):
 
 def make_world(seed):
     rng = random.Random(seed)
-    pool = _names(rng, N_COUNTRIES + N_CITIES + N_FIRST + N_LAST + N_COMPANIES, (2, 3))
+    pool = _names(rng, N_COUNTRIES + N_CITIES + N_GIVEN + N_FAMILY + N_STEMS, (2, 3))
     rng.shuffle(pool)
-    countries = pool[:N_COUNTRIES]
-    cities = {c: rng.choice(countries) for c in pool[N_COUNTRIES:N_COUNTRIES + N_CITIES]}
-    first = pool[N_COUNTRIES + N_CITIES:N_COUNTRIES + N_CITIES + N_FIRST]
-    last = pool[N_COUNTRIES + N_CITIES + N_FIRST:N_COUNTRIES + N_CITIES + N_FIRST + N_LAST]
-    companies_names = [n + " " + rng.choice(("Works", "Company", "Group", "Trading"))
-                       for n in pool[-N_COMPANIES:]]
-    people = {}
-    while len(people) < N_PEOPLE:
-        name = f"{rng.choice(first)} {rng.choice(last)}"
-        if name not in people:
-            people[name] = dict(city=rng.choice(sorted(cities)), year=rng.randint(1700, 1999),
-                                job=rng.choice(OCCUPATIONS))
+    countries, pool = pool[:N_COUNTRIES], pool[N_COUNTRIES:]
+    cities = {c: rng.choice(countries) for c in pool[:N_CITIES]}
+    given, pool = pool[N_CITIES:N_CITIES + N_GIVEN], pool[N_CITIES + N_GIVEN:]
+    family, stems = pool[:N_FAMILY], pool[N_FAMILY:]
+    # every given x family name is a person and every stem x kind a company: after a given name any
+    # family name is as likely, so a name can only be copied from the question, never recalled
+    people = {f"{g} {f}": dict(city=rng.choice(sorted(cities)), year=rng.randint(1700, 1999),
+                               job=rng.choice(OCCUPATIONS)) for g in given for f in family}
+    companies_names = [f"{s} {k}" for s in stems for k in COMPANY_KINDS]
     names = sorted(people)
     for p in names:
         people[p]["colleague"] = rng.choice(names)
@@ -224,8 +225,9 @@ def scripted_turns(q, index, rng, imperfect=True):
 
     It searches the question itself first, then each bridge entity by name; after each search it
     quotes the sentence that answers the hop (so a reader sees the evidence), and answers with its
-    value. Imperfections: 25% of multi-hop trajectories answer after the first hop; 20% of first
-    searches drop the first word of the subject (vague); 20% of searches are repeated once."""
+    value. Imperfections: a share P_EARLY of multi-hop trajectories answer after the first hop;
+    P_VAGUE of first searches drop the subject's first word (vague); P_REPEAT of searches are
+    repeated once."""
     kinds = _hop_kinds(q)
     early = imperfect and len(kinds) > 1 and q["type"] != "comparison" and rng.random() < P_EARLY
     query = q["question"].rstrip("?")
@@ -380,10 +382,10 @@ def ensure(world_dir, seed, world_only=False):
     return world_dir, backbone
 
 
-def backbone_stats(world_dir, group_size=5, max_turn_tokens=80, max_obs_tokens=256, seed=0):
+def backbone_stats(world_dir, group_size=5, temperature=1.0, max_turn_tokens=80, max_obs_tokens=256, seed=0):
     """The warm start's targets on the test split: greedy EM per type; the share of questions whose
-    group of `group_size` samples (temperature 1) holds both a correct and an incorrect answer;
-    mean searches per question against the minimum (one per hop)."""
+    group of `group_size` samples (at `temperature`) holds both a correct and an incorrect answer;
+    mean searches per question, greedy and sampled, against the minimum (one per hop)."""
     from grpo import exact_match
     model, tok = M.load(os.path.join(world_dir, "backbone"))
     index = R.load_index(os.path.join(world_dir, "index"))
@@ -391,7 +393,7 @@ def backbone_stats(world_dir, group_size=5, max_turn_tokens=80, max_obs_tokens=2
     args = dict(max_turns=4, max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens, top_k=TOP_K)
     greedy = RO.rollout(model, tok, index, [q["question"] for q in test], 1, temperature=0.0, top_p=1.0,
                         generator=None, **args)
-    trajs = RO.rollout(model, tok, index, [q["question"] for q in test], group_size, temperature=1.0, top_p=1.0,
+    trajs = RO.rollout(model, tok, index, [q["question"] for q in test], group_size, temperature=temperature, top_p=1.0,
                        generator=torch.Generator().manual_seed(seed), **args)
     em = {t: [] for t in TYPES}
     for q, t in zip(test, greedy):
@@ -403,6 +405,7 @@ def backbone_stats(world_dir, group_size=5, max_turn_tokens=80, max_obs_tokens=2
     out = {f"em_{k}": sum(v) / len(v) for k, v in em.items()}
     out.update(em=sum(sum(v) for v in em.values()) / len(test), mixed_groups=mixed / len(test),
                searches=sum(t.n_search for t in greedy) / len(test),
+               sampled_searches=sum(t.n_search for t in trajs) / len(trajs),
                min_searches=sum(len(q["hops"]) for q in test) / len(test))
     return out
 
@@ -413,11 +416,12 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--world-only", action="store_true")
     ap.add_argument("--stats", action="store_true", help="measure the backbone on the test split")
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of --stats' groups")
     args = ap.parse_args()
     world_dir, backbone = ensure(args.out_dir, args.seed, args.world_only)
     print(f"world: {world_dir}" + ("" if args.world_only else f"\nbackbone: {backbone}"))
     if args.stats:
-        print(json.dumps(backbone_stats(world_dir), indent=1))
+        print(json.dumps(backbone_stats(world_dir, temperature=args.temperature), indent=1))
 
 
 if __name__ == "__main__":
