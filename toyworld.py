@@ -386,25 +386,21 @@ def backbone_stats(world_dir, group_size=5, temperature=1.0, max_turn_tokens=80,
     """The warm start's targets on the test split: greedy EM per type; the share of questions whose
     group of `group_size` samples (at `temperature`) holds both a correct and an incorrect answer;
     mean searches per question, greedy and sampled, against the minimum (one per hop)."""
+    import eval as EV  # the project's greedy evaluation (eval.py imports nothing from here)
     from grpo import exact_match
     model, tok = M.load(os.path.join(world_dir, "backbone"))
     index = R.load_index(os.path.join(world_dir, "index"))
     test = read_jsonl(os.path.join(world_dir, "test.jsonl"))
     args = dict(max_turns=4, max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens, top_k=TOP_K)
-    greedy = RO.rollout(model, tok, index, [q["question"] for q in test], 1, temperature=0.0, top_p=1.0,
-                        generator=None, **args)
+    greedy = EV.summarize(EV.evaluate(model, tok, index, test, batch=len(test), **args), "type")
     trajs = RO.rollout(model, tok, index, [q["question"] for q in test], group_size, temperature=temperature, top_p=1.0,
                        generator=torch.Generator().manual_seed(seed), **args)
-    em = {t: [] for t in TYPES}
-    for q, t in zip(test, greedy):
-        em[q["type"]].append(exact_match(t.answer, q["golden_answers"]))
     mixed = 0
     for i, q in enumerate(test):
         r = {exact_match(t.answer, q["golden_answers"]) for t in trajs[i * group_size:(i + 1) * group_size]}
         mixed += len(r) == 2
-    out = {f"em_{k}": sum(v) / len(v) for k, v in em.items()}
-    out.update(em=sum(sum(v) for v in em.values()) / len(test), mixed_groups=mixed / len(test),
-               searches=sum(t.n_search for t in greedy) / len(test),
+    out = {f"em_{k}": greedy[k]["em"] for k in TYPES}
+    out.update(em=greedy["all"]["em"], mixed_groups=mixed / len(test), searches=greedy["all"]["searches"],
                sampled_searches=sum(t.n_search for t in trajs) / len(trajs),
                min_searches=sum(len(q["hops"]) for q in test) / len(test))
     return out
