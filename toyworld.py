@@ -24,9 +24,12 @@ Train and test share no subject entity; the test split is the built-in benchmark
 Backbone: a tiny Qwen2 (3 layers, hidden 128, 4 query / 2 key-value heads), a byte-level BPE
 tokenizer trained on the world's text plus the chat tokens, warm-started by supervised training
 (loss on the agent's tokens only) on trajectories of a scripted agent that uses the real BM25
-index and rollout.py's exact prompt, tags and document block. The scripted agent is imperfect
-in ways RL and OFSD can fix: it sometimes answers after the first hop, sometimes searches a vague
-query (a family name alone) and trusts the top document, and sometimes repeats a search before
+index and rollout.py's exact prompt, tags and document block. The agent first writes its plan
+inside <think> ("I need the city, then the country."), so the number of hops is decided right
+after the question, from its wording. It is imperfect in ways RL and OFSD can fix: half of its
+multi-hop plans stop after the first hop (the greedy backbone then answers a bridge question with
+the bridge entity: the error GRPO finds and fixes first), it sometimes searches a vague query
+(a family name alone) and trusts the top document, and it sometimes repeats a search before
 answering correctly (right but wasteful).
 
 Left out: natural-language variety (templates are fixed), numeric-reasoning questions.
@@ -62,13 +65,14 @@ TYPES = ("single", "bridge", "comparison", "three_hop")
 # backbone (tiny Qwen2) and its warm start
 BACKBONE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=True)
+BACKBONE_VERSION = 2  # bump when the scripted agent or the warm start changes: cached backbones rebuild
 VOCAB_SIZE = 3000
 SFT_TRAJECTORIES = 3000
 SFT_STEPS = 1800
 SFT_BATCH = 4
 SFT_LR = 2e-3
 COPY_WEIGHT = 5.0  # loss weight of agent tokens copied from the question or a document
-P_EARLY, P_VAGUE, P_REPEAT = 0.1, 0.2, 0.4  # the scripted agent's imperfections
+P_EARLY, P_VAGUE, P_REPEAT = 0.5, 0.2, 0.4  # the scripted agent's imperfections
 P_PRIVILEGED = 0.2  # share of warm-start examples that show a reference trajectory (OFSD's teacher view)
 TOP_K = 3
 
@@ -189,6 +193,7 @@ def read_jsonl(path):
 
 CUES = {"city": " was born in the city of ", "year": " was born in the year ",
         "country": " is a city in the country of ", "founder": " was founded by "}
+STEP_NAMES = {"city": "the city", "year": "the year", "country": "the country", "founder": "the founder"}
 
 
 def _hop_kinds(q):
@@ -223,18 +228,25 @@ def _read(docs, entity, kind):
 def scripted_turns(q, index, rng, imperfect=True):
     """Turn texts and observations of the imperfect scripted agent (a turn follows each observation).
 
-    It searches the question itself first, then each bridge entity by name; after each search it
-    quotes the sentence that answers the hop (so a reader sees the evidence), and answers with its
-    value. Imperfections: a share P_EARLY of multi-hop trajectories answer after the first hop;
-    P_VAGUE of first searches drop the subject's first word (vague); P_REPEAT of searches are
-    repeated once."""
+    It first writes its plan, the facts it needs in order ("I need the city, then the country."),
+    searches the question itself, then each bridge entity by name; after each search it quotes the
+    sentence that answers the hop (so a reader sees the evidence) and names the next step of its
+    plan ("Next: the country." or "Next: the answer."), and answers with the last value. The plan
+    puts the hop count right after the question, where the question's wording decides it, instead
+    of three hundred tokens later behind an observation. Imperfections: a share P_EARLY of
+    multi-hop trajectories plan only the first hop and answer after it; P_VAGUE of first searches
+    drop the subject's first word (vague); P_REPEAT of searches are repeated once."""
     kinds = _hop_kinds(q)
     early = imperfect and len(kinds) > 1 and q["type"] != "comparison" and rng.random() < P_EARLY
     query = q["question"].rstrip("?")
     if imperfect and rng.random() < P_VAGUE:  # vague: the subject's first word is left out
         subject = q["hops"][0][0]
         query = query.replace(subject, subject.split(" ", 1)[-1]) if " " in subject else query
-    turns, obs = ["<think> Let me search for this. </think>\n"], []
+    steps = [STEP_NAMES[k] for k in kinds[:1 if early else None]]
+    if q["type"] == "comparison":
+        steps[1] = "the other year"
+    steps.append("the answer")
+    turns, obs = [f"<think> I need {', then '.join(steps[:-1])}. </think>\n"], []
     entity, found = q["hops"][0][0], []
     for h, kind in enumerate(kinds):
         if q["type"] == "comparison":
@@ -258,7 +270,7 @@ def scripted_turns(q, index, rng, imperfect=True):
             turns.append("")
             _, quote, value = _read(docs, entity, kind)
         found.append(value)
-        turns[-1] += f"<think> {quote} </think>\n"
+        turns[-1] += f"<think> {quote} Next: {steps[h + 1]}. </think>\n"
         if early or q["type"] != "comparison":
             entity = query = value
         if early:
@@ -273,9 +285,10 @@ def scripted_turns(q, index, rng, imperfect=True):
     return turns, obs
 
 
-TEMPLATE_TEXT = ("<think> Let me search for this. </think>\n<search> </search> <think> Doc 1(Title: ) "
-                 "was born in the city of year is a city in the country of was founded by . </think>\n"
-                 "<answer> </answer> Nothing useful was found.")
+TEMPLATE_TEXT = ("<think> I need the city, then the country, the founder, the year, then the other year. "
+                 "</think>\n<search> </search> <think> Doc 1(Title: ) was born in the city of year is a "
+                 "city in the country of was founded by . Next: the answer. </think>\n<answer> </answer> "
+                 "Nothing useful was found.")
 
 
 def _turn_tokens(tokenizer, turns, obs, context, template):
@@ -327,7 +340,7 @@ def build_backbone(world_dir, out_dir, seed, steps=SFT_STEPS):
     train = read_jsonl(os.path.join(world_dir, "train.jsonl"))
     corpus = [json.loads(line)["contents"] for line in open(os.path.join(world_dir, "corpus.jsonl"))]
     texts = corpus + [RO.INSTRUCTION, RO.INVALID, RO.INFO_OPEN + "Doc 1(Title: x) y" + RO.INFO_CLOSE,
-                      "<think> </think> <search> </search> <answer> </answer>"] * 20
+                      TEMPLATE_TEXT] * 20
     texts += [q["question"] for q in train]
     tmp = out_dir.rstrip("/") + ".build"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -364,18 +377,23 @@ def build_backbone(world_dir, out_dir, seed, steps=SFT_STEPS):
         bar.set_postfix(loss=f"{loss.item():.3f}")
     model.eval()
     M.save(model, tok, out_dir)  # temp folder + rename
+    with open(os.path.join(out_dir, "toyworld.json.tmp"), "w") as f:  # written last: marks a finished build
+        json.dump(dict(version=BACKBONE_VERSION, seed=seed, steps=steps), f)
+    os.replace(os.path.join(out_dir, "toyworld.json.tmp"), os.path.join(out_dir, "toyworld.json"))
     shutil.rmtree(tmp)
 
 
 def ensure(world_dir, seed, world_only=False):
-    """The toy world in world_dir (and its backbone in world_dir/backbone), built once, reused."""
+    """The toy world in world_dir (and its backbone in world_dir/backbone), built once, reused;
+    a backbone from another BACKBONE_VERSION (or an unfinished build) is rebuilt."""
     backbone = os.path.join(world_dir, "backbone")
     meta = os.path.join(world_dir, "index", "meta.json")
     if not os.path.exists(meta) or json.load(open(meta)).get("format") != R.FORMAT_VERSION:
         t0 = time.time()
         write_world(world_dir, seed)
         print(f"toy world written to {world_dir} in {time.time() - t0:.0f}s", file=sys.stderr)
-    if not world_only and not os.path.exists(os.path.join(backbone, "model.safetensors")):
+    stamp = os.path.join(backbone, "toyworld.json")
+    if not world_only and (not os.path.exists(stamp) or json.load(open(stamp))["version"] != BACKBONE_VERSION):
         t0 = time.time()
         build_backbone(world_dir, backbone, seed)
         print(f"toy backbone written to {backbone} in {time.time() - t0:.0f}s", file=sys.stderr)
@@ -385,7 +403,8 @@ def ensure(world_dir, seed, world_only=False):
 def backbone_stats(world_dir, group_size=5, temperature=1.0, max_turn_tokens=80, max_obs_tokens=256, seed=0):
     """The warm start's targets on the test split: greedy EM per type; the share of questions whose
     group of `group_size` samples (at `temperature`) holds both a correct and an incorrect answer;
-    mean searches per question, greedy and sampled, against the minimum (one per hop)."""
+    mean searches per question, greedy and sampled, against the minimum (one per hop); and the
+    searches of the correct samples against their minimum (the waste OFSD's references remove)."""
     import eval as EV  # the project's greedy evaluation (eval.py imports nothing from here)
     from grpo import exact_match
     model, tok = M.load(os.path.join(world_dir, "backbone"))
@@ -395,14 +414,18 @@ def backbone_stats(world_dir, group_size=5, temperature=1.0, max_turn_tokens=80,
     greedy = EV.summarize(EV.evaluate(model, tok, index, test, batch=len(test), **args), "type")
     trajs = RO.rollout(model, tok, index, [q["question"] for q in test], group_size, temperature=temperature, top_p=1.0,
                        generator=torch.Generator().manual_seed(seed), **args)
-    mixed = 0
+    mixed, right = 0, []  # right: (searches, hops) of each correct sample
     for i, q in enumerate(test):
-        r = {exact_match(t.answer, q["golden_answers"]) for t in trajs[i * group_size:(i + 1) * group_size]}
-        mixed += len(r) == 2
+        group = trajs[i * group_size:(i + 1) * group_size]
+        r = [exact_match(t.answer, q["golden_answers"]) for t in group]
+        mixed += len(set(r)) == 2
+        right += [(t.n_search, len(q["hops"])) for t, ok in zip(group, r) if ok]
     out = {f"em_{k}": greedy[k]["em"] for k in TYPES}
     out.update(em=greedy["all"]["em"], mixed_groups=mixed / len(test), searches=greedy["all"]["searches"],
                sampled_searches=sum(t.n_search for t in trajs) / len(trajs),
-               min_searches=sum(len(q["hops"]) for q in test) / len(test))
+               min_searches=sum(len(q["hops"]) for q in test) / len(test),
+               correct_searches=sum(n for n, _ in right) / max(len(right), 1),  # right but wasteful:
+               correct_min_searches=sum(h for _, h in right) / max(len(right), 1))  # ... what OFSD trims
     return out
 
 

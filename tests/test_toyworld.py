@@ -70,6 +70,22 @@ def test_scripted_agent_uses_the_protocol(world):
     assert searches > 0  # some wasteful repeats
 
 
+def test_scripted_agent_follows_its_plan(world):
+    """The first think plans one step per hop (or only the first, on early multi-hop answers), and
+    the agent takes exactly the planned steps, each quote naming the next one, then answers."""
+    index = R.load_index(os.path.join(world, "index"))
+    rng = random.Random(1)
+    early = 0
+    for q in TW.read_jsonl(os.path.join(world, "train.jsonl"))[:200]:
+        turns, _ = TW.scripted_turns(q, index, rng)
+        plan = turns[0].split("<think> I need ", 1)[1].split(". </think>", 1)[0].split(", then ")
+        assert len(plan) == len(q["hops"]) or (len(plan) == 1 and q["type"] in ("bridge", "three_hop"))
+        early += len(plan) < len(q["hops"])
+        nexts = [t.split(". </think>")[0] for t in "".join(turns).split(" Next: ")[1:]]
+        assert nexts == plan[1:] + ["the answer"]
+    assert early > 0
+
+
 def test_backbone_loads_with_transformers(world, tmp_path):
     """The backbone folder (a 2-step build) is a Qwen2 checkpoint transformers loads identically."""
     transformers = pytest.importorskip("transformers")
