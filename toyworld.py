@@ -414,14 +414,16 @@ def backbone_stats(world_dir, group_size=5, temperature=1.0, max_turn_tokens=80,
     greedy = EV.summarize(EV.evaluate(model, tok, index, test, batch=len(test), **args), "type")
     trajs = RO.rollout(model, tok, index, [q["question"] for q in test], group_size, temperature=temperature, top_p=1.0,
                        generator=torch.Generator().manual_seed(seed), **args)
-    mixed, right = 0, []  # right: (searches, hops) of each correct sample
+    mixed, none_right, right = 0, 0, []  # right: (searches, hops) of each correct sample
     for i, q in enumerate(test):
         group = trajs[i * group_size:(i + 1) * group_size]
         r = [exact_match(t.answer, q["golden_answers"]) for t in group]
         mixed += len(set(r)) == 2
+        none_right += not any(r)
         right += [(t.n_search, len(q["hops"])) for t, ok in zip(group, r) if ok]
     out = {f"em_{k}": greedy[k]["em"] for k in TYPES}
-    out.update(em=greedy["all"]["em"], mixed_groups=mixed / len(test), searches=greedy["all"]["searches"],
+    out.update(em=greedy["all"]["em"], mixed_groups=mixed / len(test), all_wrong_groups=none_right / len(test),
+               searches=greedy["all"]["searches"],
                sampled_searches=sum(t.n_search for t in trajs) / len(trajs),
                min_searches=sum(len(q["hops"]) for q in test) / len(test),
                correct_searches=sum(n for n, _ in right) / max(len(right), 1),  # right but wasteful:
