@@ -80,7 +80,8 @@ ofsd_micro_batch = 4           # pairs per OFSD optimizer step
 tau_clip = 0.05                # clip on each (position, vocabulary) KL term
 eval_batch = 64                # questions per greedy evaluation batch
 seed = 0                       # sampling, question order, LoRA initialisation
-world_seed = 0                 # the toy world and its backbone (built once per world_dir)
+world_seed = 0                 # the toy world and its backbone (built once per world_dir; the
+                               # build is seed-sensitive, seed 0 is the measured one: see README)
 device = "auto"                # "auto": cuda if available, else cpu
 dtype = "auto"                 # "auto": bfloat16 on cuda, float32 on cpu
 resume = False                 # continue from out_dir/checkpoint
