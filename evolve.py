@@ -62,9 +62,7 @@ kl_ref = "round"               # KL reference: "round" = the policy this GRPO ro
                                # consolidation); "initial" = the starting model, as the anchor
 clip_ratio = 0.2               # PPO clip epsilon                             (0.2)
 max_grad_norm = 1.0            # gradient-norm clip                           (1.0)
-temperature = 0.6              # rollout sampling temperature                 (1.0)
-                               # (toy: at 1.0 the tiny backbone's samples are mostly wrong and
-                               # few groups hold a correct answer; at 0.6 more groups are mixed)
+temperature = 1.0              # rollout sampling temperature                 (1.0)
 top_p = 1.0                    # rollout nucleus sampling                     (1.0; 0.95 in some versions)
 max_turns = 4                  # searching turns before the answer-only turn  (4)
 max_turn_tokens = 80           # per-turn response cap                        (500)
@@ -80,8 +78,8 @@ ofsd_micro_batch = 4           # pairs per OFSD optimizer step
 tau_clip = 0.05                # clip on each (position, vocabulary) KL term
 eval_batch = 64                # questions per greedy evaluation batch
 seed = 0                       # sampling, question order, LoRA initialisation
-world_seed = 0                 # the toy world and its backbone (built once per world_dir; the
-                               # build is seed-sensitive, seed 0 is the measured one: see README)
+world_seed = 0                 # the toy world and its backbone (rebuilt when world_dir holds
+                               # another seed; seed 0 is the measured one: see README)
 device = "auto"                # "auto": cuda if available, else cpu
 dtype = "auto"                 # "auto": bfloat16 on cuda, float32 on cpu
 resume = False                 # continue from out_dir/checkpoint

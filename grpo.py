@@ -68,9 +68,8 @@ def token_logprobs(model, ids, valid, mask, temperature):
 
     Logits are computed only at the masked positions (the (B, T, V) tensor is never built).
     """
-    h = model.hidden(ids, valid=valid)  # (B, T, d)
     pred = mask[:, 1:]  # token t is predicted from position t - 1
-    h_sel = h[:, :-1][pred]  # (n, d)
+    h_sel = model.hidden(ids, valid=valid, select=F.pad(pred, (0, 1)))  # (n, d)
     logits = F.linear(h_sel, model.lm_head_weight).float() / temperature  # (n, V)
     return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:][pred][:, None]).squeeze(-1)  # (n,)
 

@@ -212,8 +212,10 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, cache, layer):
+    def forward(self, x, cos, sin, mask, cache, layer, select=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
+        if select is not None:
+            x = x[select]  # (n, d): the MLP only where the caller wants an output
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -238,12 +240,15 @@ class Qwen2(nn.Module):
         w = self.model.embed_tokens.weight
         return KVCache(self.config, batch, max_len, w.device, w.dtype)
 
-    def hidden(self, input_ids, cache=None, valid=None, positions=None):
+    def hidden(self, input_ids, cache=None, valid=None, positions=None, select=None):
         """Final-normed hidden states (B, T, d).
 
         valid: (B, T) bool, False for padding (default all True). positions: (B, T) rotary
         positions (default: count of valid tokens before, continuing the cache's rows).
         With a cache, the chunk is appended to it and attends to everything valid before it.
+        select: (B, T) bool; returns only those positions' states, (n, d) in row-major order,
+        and the last layer's MLP runs only there (training needs outputs only where it has a
+        loss: a sixth of the tokens in a search trajectory).
         """
         B, T = input_ids.shape
         dev = input_ids.device
@@ -277,7 +282,7 @@ class Qwen2(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for i, block in enumerate(self.model.layers):
-            x = block(x, cos, sin, mask, cache, i)
+            x = block(x, cos, sin, mask, cache, i, select if i == cfg.num_hidden_layers - 1 else None)
         if cache is not None:
             cache.length += T
             cache.next_pos += valid.sum(1)

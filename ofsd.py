@@ -105,13 +105,16 @@ def pair_sequences(tokenizer, ref, stu):
 
 
 def _gather_hidden(model, seqs, positions):
-    """Hidden states that predict each listed position: (sum of len(positions), d)."""
+    """Hidden states that predict each listed position (ascending in each sequence):
+    (sum of len(positions), d)."""
     dev = model.model.embed_tokens.weight.device
     ids, valid = M.pad_right(seqs, 0, dev)  # (B, T) each
-    h = model.hidden(ids, valid=valid)  # (B, T, d)
-    rows = torch.tensor([i for i, ps in enumerate(positions) for _ in ps], device=dev)
-    cols = torch.tensor([p - 1 for ps in positions for p in ps], device=dev)
-    return h[rows, cols]  # (N, d)
+    select = torch.zeros_like(valid)  # (B, T): the positions that predict a listed token
+    for i, ps in enumerate(positions):
+        if list(ps) != sorted(set(ps)):
+            raise ValueError(f"positions of sequence {i} must be ascending and distinct: {ps}")
+        select[i, [p - 1 for p in ps]] = True
+    return model.hidden(ids, valid=valid, select=select)  # (N, d), row-major = the listed order
 
 
 # ----------------------------------------------------------------------------------------------

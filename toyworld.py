@@ -26,11 +26,15 @@ tokenizer trained on the world's text plus the chat tokens, warm-started by supe
 (loss on the agent's tokens only) on trajectories of a scripted agent that uses the real BM25
 index and rollout.py's exact prompt, tags and document block. The agent first writes its plan
 inside <think> ("I need the city, then the country."), so the number of hops is decided right
-after the question, from its wording. It is imperfect in ways RL and OFSD can fix: half of its
-multi-hop plans stop after the first hop (the greedy backbone then answers a bridge question with
-the bridge entity: the error GRPO finds and fixes first), it sometimes searches a vague query
-(a family name alone) and trusts the top document, and it sometimes repeats a search before
-answering correctly (right but wasteful).
+after the question, from its wording. Every turn after an observation opens with
+<think> and a quote of the evidence (or "Nothing useful was found.", then it searches the entity
+by name), so the next move is decided in words after reading. It is imperfect in ways RL and
+OFSD can fix: 40% of its multi-hop plans stop after the first hop (the greedy backbone then
+answers a bridge question with the bridge entity: the error GRPO finds and fixes first), it
+sometimes searches a vague query (a family name alone) and trusts the top document, and it
+sometimes checks again, repeating a search before answering correctly (right but wasteful).
+The warm start uses length-bucketed batches (30% less padding) and runs the last layer's MLP only
+where there is a loss, so 2,400 steps fit in the 5-minute build.
 
 Left out: natural-language variety (templates are fixed), numeric-reasoning questions.
 
@@ -65,14 +69,14 @@ TYPES = ("single", "bridge", "comparison", "three_hop")
 # backbone (tiny Qwen2) and its warm start
 BACKBONE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=True)
-BACKBONE_VERSION = 2  # bump when the scripted agent or the warm start changes: cached backbones rebuild
+BACKBONE_VERSION = 3  # bump when the scripted agent or the warm start changes: cached backbones rebuild
 VOCAB_SIZE = 3000
-SFT_TRAJECTORIES = 3000
-SFT_STEPS = 1800
+SFT_STEPS = 2400
 SFT_BATCH = 4
+SFT_POOL = 1024  # examples sorted by length together (length-bucketed batches)
 SFT_LR = 2e-3
 COPY_WEIGHT = 5.0  # loss weight of agent tokens copied from the question or a document
-P_EARLY, P_VAGUE, P_REPEAT = 0.5, 0.2, 0.4  # the scripted agent's imperfections
+P_EARLY, P_VAGUE, P_REPEAT = 0.4, 0.2, 0.4  # the scripted agent's imperfections
 P_PRIVILEGED = 0.2  # share of warm-start examples that show a reference trajectory (OFSD's teacher view)
 TOP_K = 3
 
@@ -180,7 +184,23 @@ def write_world(out_dir, seed):
                 f.write(json.dumps(r) + "\n")
         os.replace(tmp, os.path.join(out_dir, name + ".jsonl"))
     R.build_index(os.path.join(out_dir, "corpus.jsonl"), os.path.join(out_dir, "index"))
+    _stamp(os.path.join(out_dir, "world.json"), dict(seed=seed))  # written last: marks a finished world
     return world, train, test
+
+
+def _stamp(path, fields):
+    with open(path + ".tmp", "w") as f:
+        json.dump(fields, f)
+    os.replace(path + ".tmp", path)
+
+
+def _stamped(path, **fields):
+    """True when the stamp file exists and records these field values."""
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        got = json.load(f)
+    return all(got.get(k) == v for k, v in fields.items())
 
 
 def read_jsonl(path):
@@ -194,6 +214,9 @@ def read_jsonl(path):
 CUES = {"city": " was born in the city of ", "year": " was born in the year ",
         "country": " is a city in the country of ", "founder": " was founded by "}
 STEP_NAMES = {"city": "the city", "year": "the year", "country": "the country", "founder": "the founder"}
+OTHER_YEAR = "the other year"  # a comparison's second step
+NOTHING = "Nothing useful was found."  # the agent's quote when no passage states the fact
+CHECK = "Let me check again."  # the agent's decision to repeat a search (wasteful)
 
 
 def _hop_kinds(q):
@@ -212,17 +235,18 @@ def _hop_kinds(q):
     return ["founder", "city", "country"]
 
 
-def _read(docs, entity, kind):
+def _read(docs, entity, kind, trust_top=False):
     """The agent reads the retrieved documents: (doc number, sentence, value) for the fact `kind`
-    of `entity`, from the entity's own passage when retrieved, else from the first passage."""
-    order = [i for i, (t, _) in enumerate(docs) if t == entity] + list(range(len(docs)))
+    of `entity`, from the entity's own passage when retrieved, else (trust_top: the vague agent's
+    mistake) from the first passage that states such a fact."""
+    order = [i for i, (t, _) in enumerate(docs) if t == entity] + (list(range(len(docs))) if trust_top else [])
     for i in order:
         title, text = docs[i]
         for sentence in text.split(". "):
             if CUES[kind] in sentence:
                 sentence = sentence.rstrip(".") + "."
                 return i + 1, f"Doc {i + 1}(Title: {title}) {sentence}", sentence.split(CUES[kind])[1].rstrip(".")
-    return None, "Nothing useful was found.", "unknown"
+    return None, NOTHING, "unknown"
 
 
 def scripted_turns(q, index, rng, imperfect=True):
@@ -231,20 +255,25 @@ def scripted_turns(q, index, rng, imperfect=True):
     It first writes its plan, the facts it needs in order ("I need the city, then the country."),
     searches the question itself, then each bridge entity by name; after each search it quotes the
     sentence that answers the hop (so a reader sees the evidence) and names the next step of its
-    plan ("Next: the country." or "Next: the answer."), and answers with the last value. The plan
+    plan ("Next: the country." or "Next: the answer."), and answers with the last value; when the
+    entity's passage is not among the results it says so and searches the entity by name. The plan
     puts the hop count right after the question, where the question's wording decides it, instead
     of three hundred tokens later behind an observation. Imperfections: a share P_EARLY of
     multi-hop trajectories plan only the first hop and answer after it; P_VAGUE of first searches
-    drop the subject's first word (vague); P_REPEAT of searches are repeated once."""
+    drop the subject's first word (vague) and read the top passage as the subject's; P_REPEAT of
+    searches are repeated once, after a quote and "Let me check again." (every turn after an
+    observation opens with <think>: with a bare repeated <search> there, the greedy model mixed the
+    two openings and wrote its query inside <think>)."""
     kinds = _hop_kinds(q)
     early = imperfect and len(kinds) > 1 and q["type"] != "comparison" and rng.random() < P_EARLY
     query = q["question"].rstrip("?")
-    if imperfect and rng.random() < P_VAGUE:  # vague: the subject's first word is left out
+    vague = imperfect and rng.random() < P_VAGUE
+    if vague:  # the subject's first word is left out, and the agent trusts the top passage
         subject = q["hops"][0][0]
         query = query.replace(subject, subject.split(" ", 1)[-1]) if " " in subject else query
     steps = [STEP_NAMES[k] for k in kinds[:1 if early else None]]
     if q["type"] == "comparison":
-        steps[1] = "the other year"
+        steps[1] = OTHER_YEAR
     steps.append("the answer")
     turns, obs = [f"<think> I need {', then '.join(steps[:-1])}. </think>\n"], []
     entity, found = q["hops"][0][0], []
@@ -252,18 +281,21 @@ def scripted_turns(q, index, rng, imperfect=True):
         if q["type"] == "comparison":
             entity = q["hops"][h][0]
         repeats = 2 if imperfect and rng.random() < P_REPEAT else 1
+        trust = vague and h == 0  # the vague agent reads the top passage as if it were the subject's
         if h > 0 and q["type"] == "comparison":
             query = entity
             if entity in obs[-1]:
                 repeats = 0  # both people were in the first results
-        for _ in range(repeats):
+        for r in range(repeats):
             turns[-1] += f"<search> {query} </search>"
             hits = index.search([query], TOP_K)[0]
             docs = [index.doc(i) for i, _ in hits]
             obs.append(RO.observation(docs))
             turns.append("")
-        doc_no, quote, value = _read(docs, entity, kind)
-        if doc_no is None:  # nothing useful (a vague query): search the entity by its name
+            if r < repeats - 1:  # a repeat: quote, then decide to check again (every turn opens with <think>)
+                turns[-1] += f"<think> {_read(docs, entity, kind, trust)[1]} {CHECK} </think>\n"
+        doc_no, quote, value = _read(docs, entity, kind, trust)
+        if doc_no is None:  # the entity's passage was not retrieved: search the entity by its name
             turns[-1] += f"<think> {quote} </think>\n<search> {entity} </search>"
             docs = [index.doc(i) for i, _ in index.search([entity], TOP_K)[0]]
             obs.append(RO.observation(docs))
@@ -285,10 +317,10 @@ def scripted_turns(q, index, rng, imperfect=True):
     return turns, obs
 
 
-TEMPLATE_TEXT = ("<think> I need the city, then the country, the founder, the year, then the other year. "
-                 "</think>\n<search> </search> <think> Doc 1(Title: ) was born in the city of year is a "
-                 "city in the country of was founded by . Next: the answer. </think>\n<answer> </answer> "
-                 "Nothing useful was found.")
+# the agent's fixed wording (tokenizer training text; never weighted as a copy)
+TEMPLATE_TEXT = (f"<think> I need {', then '.join(STEP_NAMES.values())}, then {OTHER_YEAR}. </think>\n"
+                 f"<search> </search> <think> Doc 1(Title: ) {''.join(CUES.values())}. Next: the answer. {CHECK} "
+                 f"</think>\n<answer> </answer> {NOTHING}")
 
 
 def _turn_tokens(tokenizer, turns, obs, context, template):
@@ -347,7 +379,16 @@ def build_backbone(world_dir, out_dir, seed, steps=SFT_STEPS):
     os.makedirs(tmp)
     tok = M.Tokenizer.train(texts, VOCAB_SIZE, os.path.join(tmp, "tokenizer.json"))
     data = [scripted_tokens(tok, train[i % len(train)], index, rng, privileged=rng.random() < P_PRIVILEGED)
-            for i in range(min(SFT_TRAJECTORIES, steps * SFT_BATCH))]
+            for i in range(steps * SFT_BATCH)]  # a fresh trajectory for every example seen
+    # length-bucketed batches: each pool of SFT_POOL examples is sorted by length and cut into
+    # batches, so a batch pads 0.3% instead of 30% of its tokens; the batches are then shuffled
+    order = list(range(len(data)))
+    rng.shuffle(order)
+    batches = []
+    for p in range(0, len(order), SFT_POOL):
+        pool = sorted(order[p:p + SFT_POOL], key=lambda i: len(data[i][0]))
+        batches += [pool[j:j + SFT_BATCH] for j in range(0, len(pool), SFT_BATCH)]
+    rng.shuffle(batches)
     model = M.Qwen2(M.Qwen2Config(vocab_size=VOCAB_SIZE, **BACKBONE))
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -360,14 +401,14 @@ def build_backbone(world_dir, out_dir, seed, steps=SFT_STEPS):
         lr = SFT_LR * min(1.0, (step + 1) / 30) * 0.5 * (1 + math.cos(math.pi * step / steps))  # warm-up, cosine
         for g in opt.param_groups:
             g["lr"] = lr
-        batch = [data[rng.randrange(len(data))] for _ in range(SFT_BATCH)]
+        batch = [data[i] for i in batches[step]]
         ids, valid = M.pad_right([x for x, _ in batch])  # (B, T) each
         weight = torch.zeros(ids.shape)
         for i, (_, w) in enumerate(batch):
             weight[i, :len(w)] = torch.tensor(w)
-        h = model.hidden(ids[:, :-1], valid=valid[:, :-1])  # (B, T-1, d)
         target = weight[:, 1:] > 0  # the agent's tokens
-        logits = F.linear(h[target], model.lm_head_weight)  # (n, V) only where there is a loss
+        h = model.hidden(ids[:, :-1], valid=valid[:, :-1], select=target)  # (n, d) only where there is a loss
+        logits = F.linear(h, model.lm_head_weight)  # (n, V)
         w = weight[:, 1:][target]
         loss = (F.cross_entropy(logits, ids[:, 1:][target], reduction="none") * w).sum() / w.sum()
         opt.zero_grad(set_to_none=True)
@@ -377,23 +418,20 @@ def build_backbone(world_dir, out_dir, seed, steps=SFT_STEPS):
         bar.set_postfix(loss=f"{loss.item():.3f}")
     model.eval()
     M.save(model, tok, out_dir)  # temp folder + rename
-    with open(os.path.join(out_dir, "toyworld.json.tmp"), "w") as f:  # written last: marks a finished build
-        json.dump(dict(version=BACKBONE_VERSION, seed=seed, steps=steps), f)
-    os.replace(os.path.join(out_dir, "toyworld.json.tmp"), os.path.join(out_dir, "toyworld.json"))
+    _stamp(os.path.join(out_dir, "toyworld.json"), dict(version=BACKBONE_VERSION, seed=seed, steps=steps))  # last
     shutil.rmtree(tmp)
 
 
 def ensure(world_dir, seed, world_only=False):
     """The toy world in world_dir (and its backbone in world_dir/backbone), built once, reused;
-    a backbone from another BACKBONE_VERSION (or an unfinished build) is rebuilt."""
+    a world or backbone from another seed, another BACKBONE_VERSION or an unfinished build is rebuilt."""
     backbone = os.path.join(world_dir, "backbone")
-    meta = os.path.join(world_dir, "index", "meta.json")
-    if not os.path.exists(meta) or json.load(open(meta)).get("format") != R.FORMAT_VERSION:
+    if not (_stamped(os.path.join(world_dir, "world.json"), seed=seed)
+            and _stamped(os.path.join(world_dir, "index", "meta.json"), format=R.FORMAT_VERSION)):
         t0 = time.time()
         write_world(world_dir, seed)
         print(f"toy world written to {world_dir} in {time.time() - t0:.0f}s", file=sys.stderr)
-    stamp = os.path.join(backbone, "toyworld.json")
-    if not world_only and (not os.path.exists(stamp) or json.load(open(stamp))["version"] != BACKBONE_VERSION):
+    if not world_only and not _stamped(os.path.join(backbone, "toyworld.json"), version=BACKBONE_VERSION, seed=seed):
         t0 = time.time()
         build_backbone(world_dir, backbone, seed)
         print(f"toy backbone written to {backbone} in {time.time() - t0:.0f}s", file=sys.stderr)

@@ -45,6 +45,21 @@ def test_logits_match_transformers(tmp_path, tokenizer, tied, heads, kv):
     assert (got[keep] - want[keep]).abs().max() <= 1e-4
 
 
+def test_selected_hidden_states_equal_full_ones(tmp_path, tokenizer):
+    """hidden(select=) returns transformers' last hidden states at the selected positions, <= 1e-4."""
+    cfg = tiny_config(num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
+    ours = random_model(cfg, seed=3)
+    M.save(ours, tokenizer, str(tmp_path / "m"))
+    ref = hf_model(str(tmp_path / "m"))
+    ids, mask, pos = padded_batch([9, 5, 7], cfg.vocab_size)
+    select = mask.bool() & (torch.rand(mask.shape, generator=torch.Generator().manual_seed(1)) < 0.4)
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask, position_ids=pos, output_hidden_states=True).hidden_states[-1]
+        got = ours.hidden(ids, valid=mask.bool(), select=select)
+    assert got.shape == (int(select.sum()), 64)
+    assert (got - want[select]).abs().max() <= 1e-4
+
+
 def test_load_checkpoint_written_by_transformers(tmp_path, tokenizer):
     """A checkpoint saved by transformers loads strictly and gives its logits."""
     hcfg = transformers.Qwen2Config(vocab_size=400, hidden_size=64, intermediate_size=96,

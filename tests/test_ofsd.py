@@ -2,13 +2,14 @@
 
 import copy
 
+import pytest
 import torch
 
 import lora
 import model as M
 import ofsd
 import rollout as RO
-from conftest import AGENT_QUESTION
+from conftest import AGENT_QUESTION, random_model, tiny_config
 from test_rollout import run
 
 
@@ -66,6 +67,20 @@ def test_conditioning_aligns_student_tokens(agent, tokenizer, search_index):
     teacher_prompt = tokenizer.decode(t_ids[:len(t_ids) - (len(stu.tokens) - stu.prompt_len)])
     assert teacher_prompt == M.chat_prompt(RO.make_prompt(AGENT_QUESTION) + ofsd.PRIVILEGED.format(
         reference=tokenizer.decode(ref.tokens[ref.prompt_len:])))
+
+
+def test_gathered_hidden_states_predict_the_listed_positions():
+    """_gather_hidden returns the full forward's states at p - 1 in listed order; unsorted lists are refused."""
+    model = random_model(tiny_config(), seed=5)
+    seqs, positions = [[5, 6, 7, 8, 9], [10, 11, 12]], [[2, 4], [1, 2]]
+    ids, valid = M.pad_right(seqs)
+    with torch.no_grad():
+        full = model.hidden(ids, valid=valid)  # (B, T, d)
+        got = ofsd._gather_hidden(model, seqs, positions)
+    want = torch.stack([full[0, 1], full[0, 3], full[1, 0], full[1, 1]])
+    assert (got - want).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match="sequence 1"):
+        ofsd._gather_hidden(model, seqs, [[2, 4], [2, 1]])
 
 
 def test_teacher_pass_ignores_adapter(agent, tokenizer, search_index):

@@ -30,6 +30,18 @@ def test_same_seed_same_bytes(world, tmp_path):
         assert not filecmp.cmp(os.path.join(world, f), tmp_path / "b" / f, shallow=False)
 
 
+def test_ensure_rebuilds_a_world_of_another_seed(tmp_path):
+    """ensure() reuses a world built with the same seed and rewrites one built with another."""
+    d = str(tmp_path / "w")
+    TW.ensure(d, 3, world_only=True)
+    first = os.path.getmtime(os.path.join(d, "world.json"))
+    TW.ensure(d, 3, world_only=True)
+    assert os.path.getmtime(os.path.join(d, "world.json")) == first
+    TW.ensure(d, 4, world_only=True)
+    assert json.load(open(os.path.join(d, "world.json")))["seed"] == 4
+    assert TW.read_jsonl(os.path.join(d, "test.jsonl")) == TW.make_questions(TW.make_world(4), 4)[1]
+
+
 def test_splits_share_no_subject(world):
     """No subject entity appears in both train and test; every type is in the test split."""
     train, test = (TW.read_jsonl(os.path.join(world, f"{s}.jsonl")) for s in ("train", "test"))
