@@ -178,19 +178,16 @@ def write_world(out_dir, seed):
     os.makedirs(out_dir, exist_ok=True)
     train, test = make_questions(world, seed)
     for name, rows in (("corpus", corpus_records(world)), ("train", train), ("test", test)):
-        tmp = os.path.join(out_dir, name + ".jsonl.tmp")
-        with open(tmp, "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-        os.replace(tmp, os.path.join(out_dir, name + ".jsonl"))
+        _write(os.path.join(out_dir, name + ".jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
     R.build_index(os.path.join(out_dir, "corpus.jsonl"), os.path.join(out_dir, "index"))
-    _stamp(os.path.join(out_dir, "world.json"), dict(seed=seed))  # written last: marks a finished world
+    _write(os.path.join(out_dir, "world.json"), json.dumps(dict(seed=seed)))  # last: marks a finished world
     return world, train, test
 
 
-def _stamp(path, fields):
+def _write(path, text):
+    """Write a file under a temporary name, then rename it: never left half-written."""
     with open(path + ".tmp", "w") as f:
-        json.dump(fields, f)
+        f.write(text)
     os.replace(path + ".tmp", path)
 
 
@@ -217,6 +214,7 @@ STEP_NAMES = {"city": "the city", "year": "the year", "country": "the country", 
 OTHER_YEAR = "the other year"  # a comparison's second step
 NOTHING = "Nothing useful was found."  # the agent's quote when no passage states the fact
 CHECK = "Let me check again."  # the agent's decision to repeat a search (wasteful)
+ANSWER_STEP = "the answer"  # the last step of every plan
 
 
 def _hop_kinds(q):
@@ -274,7 +272,7 @@ def scripted_turns(q, index, rng, imperfect=True):
     steps = [STEP_NAMES[k] for k in kinds[:1 if early else None]]
     if q["type"] == "comparison":
         steps[1] = OTHER_YEAR
-    steps.append("the answer")
+    steps.append(ANSWER_STEP)
     turns, obs = [f"<think> I need {', then '.join(steps[:-1])}. </think>\n"], []
     entity, found = q["hops"][0][0], []
     for h, kind in enumerate(kinds):
@@ -319,7 +317,7 @@ def scripted_turns(q, index, rng, imperfect=True):
 
 # the agent's fixed wording (tokenizer training text; never weighted as a copy)
 TEMPLATE_TEXT = (f"<think> I need {', then '.join(STEP_NAMES.values())}, then {OTHER_YEAR}. </think>\n"
-                 f"<search> </search> <think> Doc 1(Title: ) {''.join(CUES.values())}. Next: the answer. {CHECK} "
+                 f"<search> </search> <think> Doc 1(Title: ) {''.join(CUES.values())}. Next: {ANSWER_STEP}. {CHECK} "
                  f"</think>\n<answer> </answer> {NOTHING}")
 
 
@@ -418,7 +416,8 @@ def build_backbone(world_dir, out_dir, seed, steps=SFT_STEPS):
         bar.set_postfix(loss=f"{loss.item():.3f}")
     model.eval()
     M.save(model, tok, out_dir)  # temp folder + rename
-    _stamp(os.path.join(out_dir, "toyworld.json"), dict(version=BACKBONE_VERSION, seed=seed, steps=steps))  # last
+    stamp = dict(version=BACKBONE_VERSION, seed=seed, steps=steps)
+    _write(os.path.join(out_dir, "toyworld.json"), json.dumps(stamp))  # written last: marks a finished build
     shutil.rmtree(tmp)
 
 
