@@ -1,7 +1,7 @@
 """Exact-match evaluation under the Search-R1 protocol: greedy search rollouts, the paper's table.
 
 For every question: one greedy rollout (rollout.py), the answer is the last <answer> the model
-wrote, EM as in grpo.py (normalised, any gold answer). Reported per data set (or, for files whose
+wrote, EM as in rollout.py (normalised, any gold answer). Reported per data set (or, for files whose
 questions carry a `type`, per type too): EM, mean searches per question, and the share of
 answers in the right format (an <answer> tag was written). Per-question JSON lines (question,
 gold answers, full trajectory text, answer, EM, searches) go to --out.
@@ -19,9 +19,8 @@ import sys
 import torch
 
 import model as M
-from grpo import exact_match
 from retriever import load_index
-from rollout import rollout
+from rollout import SEARCH_R1_SETTINGS, exact_match, rollout
 
 
 def evaluate(model, tokenizer, index, questions, *, batch, max_turns, max_turn_tokens, max_obs_tokens, top_k):
@@ -53,21 +52,31 @@ def summarize(results, key=None):
 
 
 def read_questions(path, limit=0):
-    """FlashRAG JSON lines with `question` and `golden_answers`; errors name file and line."""
+    """FlashRAG JSON lines with `question` (text) and `golden_answers` (a non-empty list of text);
+    any other line, or a file without questions, is an error that names the file (and line)."""
     rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
             try:
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
                 r = json.loads(line)
-                if not isinstance(r["question"], str) or not isinstance(r["golden_answers"], list):
-                    raise TypeError("question must be a string and golden_answers a list")
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                if not isinstance(r, dict) or "question" not in r or "golden_answers" not in r:
+                    raise KeyError("each line needs 'question' and 'golden_answers'")
+                q, golds = r["question"], r["golden_answers"]
+                if not isinstance(q, str) or not q.strip():
+                    raise TypeError(f"question must be non-empty text, not {q!r}")
+                q.encode("utf-8")  # a lone surrogate ("\udcff") is valid JSON but not text
+                if not isinstance(golds, list) or not golds or not all(isinstance(g, str) for g in golds):
+                    raise TypeError(f"golden_answers must be a non-empty list of strings, not {golds!r}")
+            except (UnicodeError, json.JSONDecodeError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{n}: bad question line ({type(e).__name__}: {e})") from None
             rows.append(r)
             if limit and len(rows) == limit:
                 break
+    if not rows:
+        raise ValueError(f"{path}: no questions in the file")
     return rows
 
 
@@ -80,18 +89,16 @@ def main():
     ap.add_argument("--show", type=int, default=0, help="print this many trajectories per file")
     ap.add_argument("--out", default="eval_results.jsonl")
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--max-turns", type=int, default=4)
-    ap.add_argument("--max-turn-tokens", type=int, default=500)
-    ap.add_argument("--max-obs-tokens", type=int, default=500)
-    ap.add_argument("--top-k", type=int, default=3)
+    for key, value in SEARCH_R1_SETTINGS.items():  # the anchor's protocol settings by default
+        ap.add_argument("--" + key.replace("_", "-"), type=int, default=value)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
     args = ap.parse_args()
+    data = {path: read_questions(path, args.limit) for path in args.data.split(",")}  # every file, first
     model, tok = M.load(args.model, args.device, getattr(torch, args.dtype))
     index = load_index(args.index)
     table, everything = [], []
-    for path in args.data.split(","):
-        qs = read_questions(path, args.limit)
+    for path, qs in data.items():
         res = evaluate(model, tok, index, qs, batch=args.batch, max_turns=args.max_turns,
                        max_turn_tokens=args.max_turn_tokens, max_obs_tokens=args.max_obs_tokens, top_k=args.top_k)
         name = os.path.splitext(os.path.basename(path))[0]

@@ -1,14 +1,19 @@
-"""GRPO as Search-R1 runs it: exact-match reward, group advantages, PPO-clip loss with k3 KL.
+"""The GRPO round (explore): exact-match reward, group advantages, PPO-clip loss with k3 KL.
 
-For each question, G trajectories o_1..o_G get reward r_i = EM(answer_i, gold) in {0, 1} and the
-group-relative advantage, shared by every token of o_i:
+For each question, G trajectories o_1..o_G get reward r_i = EM(answer_i, gold) in {0, 1}
+(rollout.exact_match) and the group-relative advantage, shared by every token of o_i:
     A_i = (r_i - mean(r)) / (std(r) + 1e-6)            (std with Bessel's correction, as veRL)
 so a group with equal rewards gives no policy gradient. The loss per policy-sampled token t is
     rho_t  = exp(log pi(t) - log pi_old(t))            (pi_old: the rollout's recorded log-probs)
     pg_t   = max(-A * rho_t, -A * clip(rho_t, 1 - eps, 1 + eps))
-    kl_t   = exp(ref_t - log pi(t)) - (ref_t - log pi(t)) - 1     (k3, clamped to [-10, 10])
+    d_t    = clamp(log pi_kl(t) - log pi(t), -20, 20)     (pi_kl: the KL model, see grpo_round)
+    kl_t   = exp(d_t) - d_t - 1                            (k3, then clamped to [-10, 10])
     L      = sum_t loss_mask_t * (pg_t + beta * kl_t) / sum_t loss_mask_t    (token mean)
 with log-probabilities taken from softmax(logits / temperature), the rollout's temperature.
+(The +-20 clamp only keeps exp() finite; the +-10 clamp is veRL's.)
+
+A GRPO round is `steps` such updates, each on a fresh rollout batch of the current policy; one
+optimizer step per rollout batch, so the ratio rho is 1 at the update (METHOD.md, departures).
 
 Left out: value models / GAE (GRPO needs none), format rewards (the anchor uses EM only),
 dynamic sampling and length penalties.
@@ -16,33 +21,15 @@ dynamic sampling and length penalties.
     python grpo.py "the Eiffel Tower" "Eiffel Tower" "tower"      # EM of a prediction vs golds
 """
 
-import re
-import string
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import model as M
-
-
-def normalize_answer(s):
-    """Search-R1 / SQuAD normalisation: lowercase, drop punctuation and articles, squeeze spaces."""
-    s = s.lower()
-    s = "".join(ch for ch in s if ch not in set(string.punctuation))
-    s = re.sub(r"\b(a|an|the)\b", " ", s)
-    return " ".join(s.split())
-
-
-def exact_match(prediction, golden_answers):
-    """1.0 when the normalised prediction equals any normalised gold answer, else 0.0."""
-    if prediction is None:
-        return 0.0
-    if isinstance(golden_answers, str):
-        golden_answers = [golden_answers]
-    p = normalize_answer(prediction)
-    return float(any(p == normalize_answer(g) for g in golden_answers))
+from rollout import em_rewards, rollout
 
 
 def group_advantages(rewards, group_size, eps=1e-6):
@@ -74,17 +61,17 @@ def token_logprobs(model, ids, valid, mask, temperature):
     return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:][pred][:, None]).squeeze(-1)  # (n,)
 
 
-def grpo_token_loss(logp, old_logp, ref_logp, adv, clip_ratio, kl_coef):
+def grpo_token_loss(logp, old_logp, kl_logp, adv, clip_ratio, kl_coef):
     """Per-token PPO-clip + k3 KL terms, all (n,); returns (loss, pg, kl, clipped indicator)."""
     ratio = torch.exp(logp - old_logp)
     pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_ratio, 1 + clip_ratio))
-    log_r = (ref_logp - logp).clamp(-20, 20)
+    log_r = (kl_logp - logp).clamp(-20, 20)
     kl = (torch.exp(log_r) - log_r - 1).clamp(-10, 10)
     clipped = (ratio - ratio.clamp(1 - clip_ratio, 1 + clip_ratio)).abs() > 0
     return pg + kl_coef * kl, pg, kl, clipped
 
 
-def grpo_step(model, ref_model, optimizer, trajs, advantages, *, micro_batch, clip_ratio, kl_coef,
+def grpo_step(model, kl_model, optimizer, trajs, advantages, *, micro_batch, clip_ratio, kl_coef,
               temperature, max_grad_norm, pad_id):
     """One optimizer step on `trajs` (a PPO mini-batch): masked token-mean loss, accumulated over
     micro-batches, gradients all-reduced across ranks when torch.distributed is initialised."""
@@ -101,9 +88,9 @@ def grpo_step(model, ref_model, optimizer, trajs, advantages, *, micro_batch, cl
         adv_tok = adv[:, None].expand_as(mask)[:, 1:][mask[:, 1:]]  # (n,) each token its row's advantage
         old_tok = old[:, 1:][mask[:, 1:]]  # (n,)
         with torch.no_grad():
-            ref_tok = token_logprobs(ref_model, ids, valid, mask, temperature)
+            kl_tok = token_logprobs(kl_model, ids, valid, mask, temperature)
         logp = token_logprobs(model, ids, valid, mask, temperature)
-        loss, pg, kl, clipped = grpo_token_loss(logp, old_tok, ref_tok, adv_tok, clip_ratio, kl_coef)
+        loss, pg, kl, clipped = grpo_token_loss(logp, old_tok, kl_tok, adv_tok, clip_ratio, kl_coef)
         (loss.sum() / n_tokens).backward()
         sums += torch.stack([loss.sum(), pg.sum(), kl.sum(), clipped.float().sum()]).detach()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -119,7 +106,43 @@ def grpo_step(model, ref_model, optimizer, trajs, advantages, *, micro_batch, cl
                 grad_norm=grad_norm.item(), tokens=int(n_tokens.item()))
 
 
+def grpo_round(policy, kl_model, optimizer, tokenizer, index, next_questions, *, steps, first_step, lr,
+               warmup_steps, group_size, micro_batch, clip_ratio, kl_coef, max_grad_norm, rollout_args, log):
+    """`steps` GRPO updates of `policy`, each on a fresh rollout batch: sample questions, roll out
+    G trajectories each, reward by EM, group advantages, one PPO-clip + KL step. `kl_model` is the
+    KL term's model; `next_questions()` gives this rank's questions for one step; the learning rate warms up
+    linearly over the run's first `warmup_steps` steps (`first_step` = steps before this round).
+    `log(metrics)` is called after every step; returns the list of step metrics."""
+    history = []
+    policy.train()
+    for s in range(steps):
+        t0 = time.time()
+        step = first_step + s + 1
+        questions = next_questions()
+        with torch.no_grad():
+            trajs = rollout(policy, tokenizer, index, [q["question"] for q in questions], group_size,
+                            **rollout_args)
+        rewards = em_rewards(trajs, questions, group_size)
+        advantages = group_advantages(rewards, group_size).tolist()
+        for g in optimizer.param_groups:
+            g["lr"] = lr * min(1.0, step / warmup_steps)
+        m = grpo_step(policy, kl_model, optimizer, trajs, advantages, micro_batch=micro_batch,
+                      clip_ratio=clip_ratio, kl_coef=kl_coef, temperature=rollout_args["temperature"],
+                      max_grad_norm=max_grad_norm, pad_id=tokenizer.pad_id)
+        device = policy.model.embed_tokens.weight.device
+        stats = torch.tensor([sum(rewards), sum(t.n_search for t in trajs), len(trajs)], device=device)
+        if dist.is_initialized():
+            dist.all_reduce(stats)
+        m.update(step=step, reward=(stats[0] / stats[2]).item(), searches=(stats[1] / stats[2]).item(),
+                 seconds=time.time() - t0)
+        log(m)
+        history.append(m)
+    policy.eval()
+    return history
+
+
 if __name__ == "__main__":
+    from rollout import exact_match, normalize_answer
     if len(sys.argv) < 3:
         sys.exit("usage: python grpo.py PREDICTION GOLD [GOLD ...]")
     print(f"normalised: {normalize_answer(sys.argv[1])!r}  EM: {exact_match(sys.argv[1], sys.argv[2:])}")

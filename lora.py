@@ -51,7 +51,7 @@ def _wrapped(model):
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
 
 
-def attach(model, r=8, alpha=16, dropout=0.0, targets=TARGETS):
+def attach(model, r, alpha, dropout=0.0, targets=TARGETS):
     """Wrap every nn.Linear whose name ends in one of `targets`; freeze all base weights."""
     if _wrapped(model):
         raise ValueError("model already has a LoRA adapter")

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -78,7 +78,14 @@ class Qwen2Config:
     def from_json(cls, path):
         """Read a Hugging Face Qwen2 config.json; unsupported features are a clear error."""
         with open(path) as f:
-            raw = json.load(f)
+            try:
+                raw = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: expected a JSON object")
+        if raw.get("architectures", ["Qwen2ForCausalLM"]) != ["Qwen2ForCausalLM"]:
+            raise ValueError(f"{path}: architectures is {raw['architectures']!r}, expected ['Qwen2ForCausalLM']")
         if raw.get("model_type", "qwen2") != "qwen2":
             raise ValueError(f"{path}: model_type is {raw['model_type']!r}, expected 'qwen2'")
         if raw.get("hidden_act", "silu") != "silu":
@@ -349,6 +356,14 @@ def _weight_files(path):
     raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
 
 
+def _read_safetensors(file):
+    """safe_open, with the file named when it is not a readable safetensors file."""
+    try:
+        return safe_open(file, framework="pt", device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file}: not a readable safetensors file ({e}): truncated or corrupt?") from None
+
+
 def load(path, device="cpu", dtype=torch.float32):
     """Load a Hugging Face Qwen2 checkpoint folder -> (model, tokenizer). Strict on every tensor."""
     cfg_path = os.path.join(path, "config.json")
@@ -362,12 +377,15 @@ def load(path, device="cpu", dtype=torch.float32):
     params = dict(model.named_parameters())
     filled = set()
     for file, names in _weight_files(path).items():
-        with safe_open(file, framework="pt", device="cpu") as f:
+        with _read_safetensors(file) as f:
             for name in names if names is not None else f.keys():
                 if name not in params:
                     raise ValueError(f"{file}: unexpected tensor {name!r} (not a Qwen2 parameter"
                                      f"{'; lm_head is tied' if name == 'lm_head.weight' else ''})")
-                t = f.get_tensor(name)
+                try:
+                    t = f.get_tensor(name)
+                except SafetensorError as e:
+                    raise ValueError(f"{file}: tensor {name!r} cannot be read ({e}): truncated or corrupt?") from None
                 if tuple(t.shape) != tuple(params[name].shape):
                     raise ValueError(f"{file}: tensor {name!r} has shape {tuple(t.shape)}, "
                                      f"expected {tuple(params[name].shape)}")
@@ -380,6 +398,10 @@ def load(path, device="cpu", dtype=torch.float32):
     return model.eval(), tokenizer
 
 
+CHECKPOINT_FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                    "generation_config.json", "toyworld.json"}  # what `save` may replace (toyworld.json: the toy stamp)
+
+
 def save(model, tokenizer, path):
     """Write config.json, model.safetensors and tokenizer.json to `path` (temp folder, then rename)."""
     names = {n for n, _ in model.named_parameters()}
@@ -388,6 +410,9 @@ def save(model, tokenizer, path):
     if names != expected:
         raise ValueError(f"cannot save: parameters {sorted(names ^ expected)[:4]} are not plain Qwen2 "
                          "(merge or remove the LoRA adapter first)")
+    if os.path.isdir(path) and not set(os.listdir(path)) <= CHECKPOINT_FILES:
+        raise ValueError(f"cannot save to {path}: it holds files that are not a checkpoint's "
+                         f"({sorted(set(os.listdir(path)) - CHECKPOINT_FILES)[:4]}); nothing was changed")
     tmp = path.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -461,8 +486,8 @@ def sample(logits, temperature, top_p, generator):
 
 
 @torch.no_grad()
-def decode(model, tokenizer, cache, logits, active, max_new_tokens, *, temperature=0.0, top_p=1.0,
-           generator=None, stop_ids=(), stop_strings=()):
+def sample_turn(model, tokenizer, cache, logits, active, max_new_tokens, *, temperature=0.0, top_p=1.0,
+                generator=None, stop_ids=(), stop_strings=()):
     """Sample up to `max_new_tokens` per active row, each appended to the cache as it is drawn.
 
     A row stops after a stop id, once its new text contains a stop string (the token that
@@ -504,7 +529,7 @@ def generate(model, tokenizer, prompts, max_new_tokens, *, temperature=0.0, top_
     """Batched generation for ragged prompts (lists of token ids) -> (tokens, logprobs, reasons)."""
     cache = model.new_cache(len(prompts), max(len(p) for p in prompts) + max_new_tokens + 1)
     logits = extend(model, cache, prompts)
-    toks, lps, reasons, _ = decode(
+    toks, lps, reasons, _ = sample_turn(
         model, tokenizer, cache, logits, [True] * len(prompts), max_new_tokens,
         temperature=temperature, top_p=top_p, generator=generator,
         stop_ids=tokenizer.eos_ids if stop_ids is None else stop_ids, stop_strings=stop_strings)

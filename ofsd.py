@@ -1,6 +1,8 @@
 """OFSD: offline self-distillation from the policy's own better sibling (Search-E1's contribution).
 
-1. Pair mining, per question group of rollouts (METHOD.md):
+An OFSD round (METHOD.md, "OFSD") consolidates what the GRPO round found:
+1. Rollouts and pair mining. G rollouts of the current policy per question, EM rewards, and per
+   question group one pair:
      tau_ref = the correct trajectory (R = 1) with the fewest retrieval calls (ties: fewest
                policy tokens, then lowest index);
      tau_stu = the incorrect trajectory that differs most from tau_ref, else the correct one
@@ -13,18 +15,15 @@
      teacher  P_T(q, tau_ref) = chat(instruction || q || PRIVILEGED(tau_ref)) then tau_stu
    Loss positions R_tau = tau_stu's policy-sampled tokens (its loss_mask), aligned between the
    two sequences; retrieved text and the prompt never count.
-3. Loss, per pair (teacher probabilities carry no gradient):
+3. The round: attach LoRA; the teacher pass runs with the adapter disabled, under no_grad; the
+   student pass with it; AdamW on the adapter only, minimising per pair
      L = 1/|R_tau| sum_{p in R_tau} sum_v min(Pt_p(v) log(Pt_p(v) / Ps_p(v)), tau_clip)
-   Its gradient w.r.t. the student logits z of one position (m(v) = [term v not clipped]):
-     dL/dz_j = Ps(j) * S - m(j) * Pt(j),   S = sum_v m(v) Pt(v)
-   (from d(-Pt(v) log Ps(v))/dz_j = -Pt(v) (delta_vj - Ps(j)); clipped terms are constant).
-   Implementations of one function: `clipped_forward_kl_reference` (plain PyTorch, the spec);
-   a Triton kernel (CUDA) that writes loss and gradient in one launch; a chunked PyTorch path
-   off CUDA with the same analytic gradient; and `fused_linear_clipped_kl`, which takes hidden
-   states and the frozen LM-head weight and loops over row chunks so the (N, V) logits never
-   exist (used for training).
-4. The round: attach LoRA; teacher pass with the adapter disabled under no_grad; student pass
-   with it; AdamW on the adapter only; then merge into the base weights.
+   (a token-level forward KL(teacher || student), each (position, vocabulary) term clipped from
+   above); then merge the adapter into the base weights: the next GRPO round's policy.
+4. The loss, below the method in its own part: `clipped_forward_kl_spec` (plain PyTorch, the
+   readable spec), a chunked PyTorch path and a Triton kernel (CUDA) that compute the loss and
+   its analytic gradient together, and `fused_linear_clipped_kl`, which starts from hidden
+   states and the frozen LM head so the (N, V) logits never exist (what training uses).
 
 Left out: several privileged references per pair (the paper's future work), reverse KL, mixing
 OFSD with RL in one loss.
@@ -36,11 +35,12 @@ import random
 from collections import Counter
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import lora
 import model as M
-from rollout import make_prompt
+from rollout import em_rewards, make_prompt, rollout
 
 try:
     import triton
@@ -49,7 +49,7 @@ except ImportError:  # no Triton wheel on this platform: the PyTorch paths still
     triton = None
 
 PRIVILEGED = ("\n\nFor reference, here is a correct and efficient solution to this question, "
-              "with its searches and the retrieved documents:\n{reference}\n")
+              "with its searches and the retrieved documents:\n{tau_ref}\n")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -97,8 +97,8 @@ def mine_pairs(trajs, rewards, group_size):
 def pair_sequences(tokenizer, ref, stu):
     """Student and teacher token ids plus the aligned loss positions (predicted token indices)."""
     response = stu.tokens[stu.prompt_len:]
-    reference = tokenizer.decode(ref.tokens[ref.prompt_len:])
-    teacher_prompt = tokenizer.encode(M.chat_prompt(make_prompt(stu.question) + PRIVILEGED.format(reference=reference)))
+    ref_text = tokenizer.decode(ref.tokens[ref.prompt_len:])
+    teacher_prompt = tokenizer.encode(M.chat_prompt(make_prompt(stu.question) + PRIVILEGED.format(tau_ref=ref_text)))
     pos = [p for p in range(stu.prompt_len, len(stu.tokens)) if stu.loss_mask[p]]
     shift = len(teacher_prompt) - stu.prompt_len
     return stu.tokens, teacher_prompt + response, pos, [p + shift for p in pos]
@@ -118,9 +118,88 @@ def _gather_hidden(model, seqs, positions):
 
 
 # ----------------------------------------------------------------------------------------------
-# 3. the loss: reference, chunked PyTorch, Triton
+# 3. the round
 
-def clipped_forward_kl_reference(student_logits, teacher_logits, tau_clip):
+def ofsd_round(policy, tokenizer, index, questions, *, group_size, rollout_args, lora_rank, lora_alpha,
+               lr, epochs, micro_batch, tau_clip, max_grad_norm, kl_chunk, seed, log):
+    """One OFSD round: G rollouts of the current policy per question, EM rewards, one mined pair per
+    question (all ranks' pairs, when distributed), then `distill`. Returns its metrics."""
+    with torch.no_grad():
+        trajs = rollout(policy, tokenizer, index, [q["question"] for q in questions], group_size, **rollout_args)
+    pairs = mine_pairs(trajs, em_rewards(trajs, questions, group_size), group_size)
+    if dist.is_initialized():  # every rank distills all ranks' pairs (the round is cheap)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, pairs)
+        pairs = [p for ps in gathered for p in ps]
+    metrics = distill(policy, tokenizer, pairs, lora_rank=lora_rank, lora_alpha=lora_alpha, lr=lr,
+                      epochs=epochs, micro_batch=micro_batch, tau_clip=tau_clip, max_grad_norm=max_grad_norm,
+                      kl_chunk=kl_chunk, seed=seed, log=log)
+    if dist.is_initialized():  # guard against non-deterministic kernels: rank 0's weights for all
+        for p in policy.parameters():
+            dist.broadcast(p.data, 0)
+    return metrics
+
+
+def distill(model, tokenizer, pairs, *, lora_rank, lora_alpha, lr, epochs, micro_batch, tau_clip,
+            max_grad_norm, kl_chunk, seed, log=None):
+    """Distill each pair's teacher view into its student view through LoRA, then merge.
+    `log(epoch, step, loss)` is called after every optimizer step."""
+    data = [pair_sequences(tokenizer, ref, stu) for ref, stu, _ in pairs]
+    data = [d for d in data if d[2]]  # a student with no policy token has nothing to learn
+    metrics = dict(pairs=len(pairs), incorrect_students=sum(w for _, _, w in pairs), losses=[])
+    if not data:
+        return metrics
+    params = lora.attach(model, lora_rank, lora_alpha)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+
+    def mean_kl():
+        with torch.no_grad():
+            return sum(pair_loss(model, data[i:i + micro_batch], tau_clip, kl_chunk).item() * len(data[i:i + micro_batch])
+                       for i in range(0, len(data), micro_batch)) / len(data)
+
+    metrics["kl_before"] = mean_kl()
+    rng = random.Random(seed)
+    for epoch in range(epochs):
+        order = list(range(len(data)))
+        rng.shuffle(order)
+        for s in range(0, len(order), micro_batch):
+            loss = pair_loss(model, [data[i] for i in order[s:s + micro_batch]], tau_clip, kl_chunk)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+            opt.step()
+            metrics["losses"].append(loss.item())
+            if log:
+                log(epoch, len(metrics["losses"]), loss.item())
+    metrics["kl_after"] = mean_kl()
+    lora.merge(model)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return metrics
+
+
+def pair_loss(model, batch, tau_clip, kl_chunk):
+    """Mean over the pairs of each pair's mean clipped KL over its loss positions."""
+    students, teachers, s_pos, t_pos = zip(*batch)
+    with torch.no_grad(), lora.disabled(model):
+        h_t = _gather_hidden(model, teachers, t_pos)  # (N, d) teacher: frozen base weights
+    h_s = _gather_hidden(model, students, s_pos)  # (N, d) student: adapter active
+    w = torch.tensor([1.0 / (len(p) * len(batch)) for p in s_pos for _ in p], device=h_s.device)
+    return fused_linear_clipped_kl(h_s, h_t, model.lm_head_weight, tau_clip, w, kl_chunk)
+
+
+# ==============================================================================================
+# ----------------------------------------------------------------------------------------------
+# 4. the loss, four implementations of one function: the spec, chunked PyTorch, the Triton
+#    kernel, and the fused path from hidden states that training uses
+
+# The loss of one position, over the vocabulary v (teacher probabilities carry no gradient):
+#     l = sum_v min(Pt(v) log(Pt(v) / Ps(v)), tau_clip),     Ps = softmax(z), Pt = softmax(z_t)
+# and its gradient w.r.t. the student logits z (m(v) = [term v not clipped]):
+#     dl/dz_j = Ps(j) * S - m(j) * Pt(j),   S = sum_v m(v) Pt(v)
+# (from d(-Pt(v) log Ps(v))/dz_j = -Pt(v) (delta_vj - Ps(j)); clipped terms are constant).
+
+def clipped_forward_kl_spec(student_logits, teacher_logits, tau_clip):
     """mean_p sum_v min(Pt log(Pt / Ps), tau_clip); (N, V) logits; the readable spec (autograd)."""
     dt = torch.promote_types(student_logits.dtype, torch.float32)  # float32, or float64 if given
     log_ps = torch.log_softmax(student_logits.to(dt), -1)
@@ -278,62 +357,11 @@ def fused_linear_clipped_kl(h_student, h_teacher, weight, tau_clip, row_weight=N
         row_weight = torch.full((N,), 1.0 / N, device=h_student.device)
     return FusedLinearClippedKL.apply(h_student, h_teacher.detach(), weight.detach(), row_weight, tau_clip, chunk)
 
-
-# ----------------------------------------------------------------------------------------------
-# 4. the round
-
-def pair_loss(model, batch, tau_clip, chunk):
-    """Mean over the pairs of each pair's mean clipped KL over its loss positions."""
-    students, teachers, s_pos, t_pos = zip(*batch)
-    with torch.no_grad(), lora.disabled(model):
-        h_t = _gather_hidden(model, teachers, t_pos)  # (N, d) teacher: frozen base weights
-    h_s = _gather_hidden(model, students, s_pos)  # (N, d) student: adapter active
-    w = torch.tensor([1.0 / (len(p) * len(batch)) for p in s_pos for _ in p], device=h_s.device)
-    return fused_linear_clipped_kl(h_s, h_t, model.lm_head_weight, tau_clip, w, chunk)
-
-
-def ofsd_round(model, tokenizer, pairs, *, lora_rank, lora_alpha, lr, epochs, micro_batch, tau_clip,
-               max_grad_norm, seed, chunk=256, log=None):
-    """Distill each pair's teacher view into the student view through LoRA, then merge."""
-    data = [pair_sequences(tokenizer, ref, stu) for ref, stu, _ in pairs]
-    data = [d for d in data if d[2]]  # a student with no policy token has nothing to learn
-    metrics = dict(pairs=len(pairs), incorrect_students=sum(w for _, _, w in pairs), losses=[])
-    if not data:
-        return metrics
-    params = lora.attach(model, lora_rank, lora_alpha)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-
-    def mean_kl():
-        with torch.no_grad():
-            return sum(pair_loss(model, data[i:i + micro_batch], tau_clip, chunk).item() * len(data[i:i + micro_batch])
-                       for i in range(0, len(data), micro_batch)) / len(data)
-
-    metrics["kl_before"] = mean_kl()
-    rng = random.Random(seed)
-    for epoch in range(epochs):
-        order = list(range(len(data)))
-        rng.shuffle(order)
-        for s in range(0, len(order), micro_batch):
-            loss = pair_loss(model, [data[i] for i in order[s:s + micro_batch]], tau_clip, chunk)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-            opt.step()
-            metrics["losses"].append(loss.item())
-            if log:
-                log(epoch, len(metrics["losses"]), loss.item())
-    metrics["kl_after"] = mean_kl()
-    lora.merge(model)
-    for p in model.parameters():
-        p.requires_grad_(True)
-    return metrics
-
-
 if __name__ == "__main__":
     torch.manual_seed(0)
     s, t = torch.randn(37, 3001, requires_grad=True), torch.randn(37, 3001)
-    ref = clipped_forward_kl_reference(s, t, 0.01)
-    (g_ref,) = torch.autograd.grad(ref, s)
+    spec = clipped_forward_kl_spec(s, t, 0.01)
+    (g_spec,) = torch.autograd.grad(spec, s)
     for name, fn in [("chunked", lambda: clipped_forward_kl(s, t, 0.01, use_triton=False)),
                      ("triton", lambda: clipped_forward_kl(s, t, 0.01, use_triton=True))]:
         if name == "triton" and (triton is None or not (torch.cuda.is_available())):
@@ -341,4 +369,4 @@ if __name__ == "__main__":
             continue
         loss = fn()
         (g,) = torch.autograd.grad(loss, s)
-        print(f"{name}: |loss - ref| = {abs(loss.item() - ref.item()):.2e}  max |grad - ref| = {(g - g_ref).abs().max():.2e}")
+        print(f"{name}: |loss - spec| = {abs(loss.item() - spec.item()):.2e}  max |grad - spec| = {(g - g_spec).abs().max():.2e}")

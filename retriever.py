@@ -16,8 +16,10 @@ The index is plain .npy arrays plus meta.json, memory-mapped at load (no pickle)
     vocabulary: one utf-8 blob + offsets; documents: one utf-8 blob (id, title, text) + offsets.
 It is built in bounded memory: the corpus is streamed in chunks, each chunk's sorted postings
 are spilled to disk, then merged into the CSR arrays; memory grows with the vocabulary and the
-document count, never with the corpus text. Everything is written into INDEX_DIR.tmp, renamed
-at the end.
+document count, never with the corpus text. Everything is written into INDEX_DIR.tmp, then
+swapped in by renames (an existing index goes to INDEX_DIR.old until the new one is in place),
+so a kill never leaves no whole index; a folder that holds anything but index files is never
+replaced.
 
 Defined behaviour: a query with only stopwords or unknown words returns []; only documents
 that share a term with the query are returned, so k larger than the corpus returns fewer than k;
@@ -47,6 +49,8 @@ STOPWORDS = frozenset(
 WORD = re.compile(r"\w+")
 FORMAT_VERSION = 1
 CHUNK_DOCS = 100_000  # documents per spilled postings run
+INDEX_FILES = {"meta.json", "indptr.npy", "docs.npy", "scores.npy", "doc_offsets.npy", "vocab_offsets.npy",
+               "docs.bin", "vocab.bin", "runs"}  # everything an index folder (or its build) holds
 
 
 def analyze(text):
@@ -61,20 +65,29 @@ def format_docs(docs):
 
 def read_corpus(path):
     """Yield (line_no, id, title, text) from FlashRAG JSON lines (`contents` or `title`/`text`)."""
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
             try:
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
                 rec = json.loads(line)
+                if not isinstance(rec, dict):
+                    raise TypeError("a corpus line must be a JSON object")
                 if "contents" in rec:
                     title, _, text = rec["contents"].partition("\n")
                     title = title.strip().strip('"')
-                else:
+                elif "title" in rec and "text" in rec:
                     title, text = rec["title"], rec["text"]
-                yield line_no, str(rec.get("id", line_no)), title, text
-            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+                else:
+                    raise KeyError("no 'contents' field (nor 'title' and 'text')")
+                if not isinstance(title, str) or not isinstance(text, str):
+                    raise TypeError("'contents' (or 'title' and 'text') must be text")
+                doc_id = str(rec.get("id", line_no))
+                (title + text + doc_id).encode("utf-8")  # lone surrogates are valid JSON, not text
+            except (UnicodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
                 raise ValueError(f"{path}:{line_no}: malformed corpus line ({type(e).__name__}: {e})") from None
+            yield line_no, doc_id, title, text
 
 
 # ----------------------------------------------------------------------------------------------
@@ -88,9 +101,24 @@ def _spill(run_dir, k, term_ids, local_docs, doc_base, n_docs_chunk):
     np.save(os.path.join(run_dir, f"run{k}.npy"), run)
 
 
+def _ours(path):
+    """True when `path` is absent, or a folder holding nothing but index files (whole or partial)."""
+    return not os.path.exists(path) or (os.path.isdir(path) and set(os.listdir(path)) <= INDEX_FILES)
+
+
 def build_index(corpus_path, index_dir, k1=0.9, b=0.4, chunk_docs=CHUNK_DOCS):
-    """Stream `corpus_path` into a BM25 index folder `index_dir` (written as .tmp, then renamed)."""
-    tmp = index_dir.rstrip("/") + ".tmp"
+    """Stream `corpus_path` into a BM25 index folder `index_dir`: written as INDEX_DIR.tmp, then
+    swapped in by renames (an old index goes to INDEX_DIR.old first, removed last), so at every
+    instant a whole index is at INDEX_DIR or INDEX_DIR.old. A path holding anything but index
+    files is refused, never deleted."""
+    index_dir = index_dir.rstrip("/")
+    tmp, old = index_dir + ".tmp", index_dir + ".old"
+    for path in (index_dir, tmp, old):
+        if not _ours(path):
+            raise ValueError(f"{path}: exists and is not an index folder ({sorted(os.listdir(path))[:4] if os.path.isdir(path) else 'a file'}); "
+                             "nothing was changed: choose another output folder")
+    if not os.path.isfile(corpus_path):
+        raise FileNotFoundError(f"{corpus_path}: corpus file not found")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(os.path.join(tmp, "runs"))
     vocab = dict.fromkeys(STOPWORDS, -1)  # term -> id; stopwords map to -1 and are dropped
@@ -163,8 +191,10 @@ def build_index(corpus_path, index_dir, k1=0.9, b=0.4, chunk_docs=CHUNK_DOCS):
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
     if os.path.exists(index_dir):
-        shutil.rmtree(index_dir)
+        shutil.rmtree(old, ignore_errors=True)  # a whole index is at index_dir: an older .old can go
+        os.replace(index_dir, old)
     os.replace(tmp, index_dir)
+    shutil.rmtree(old, ignore_errors=True)
     return meta
 
 
@@ -196,13 +226,25 @@ class Index:
     """A loaded, memory-mapped BM25 index; see `load_index`."""
 
     def __init__(self, index_dir):
+        index_dir = index_dir.rstrip("/")
         meta_path = os.path.join(index_dir, "meta.json")
+        if not os.path.exists(index_dir) and os.path.isfile(os.path.join(index_dir + ".old", "meta.json")):
+            raise FileNotFoundError(
+                f"{index_dir}: missing; a rebuild was interrupted between its renames: the previous index "
+                f"is whole at {index_dir}.old (and the new one at {index_dir}.tmp when it holds meta.json): "
+                f"rename one of them to {index_dir}")
         if not os.path.isfile(meta_path):
             raise FileNotFoundError(f"{index_dir}: not a BM25 index (meta.json missing)")
-        with open(meta_path) as f:
-            self.meta = meta = json.load(f)
-        if meta.get("format") != FORMAT_VERSION:
-            raise ValueError(f"{meta_path}: index format {meta.get('format')}, expected {FORMAT_VERSION}")
+        try:
+            with open(meta_path) as f:
+                self.meta = meta = json.load(f)
+            if meta.get("format") != FORMAT_VERSION:
+                raise ValueError(f"index format {meta.get('format')}, expected {FORMAT_VERSION}: rebuild it")
+            for key in ("n_terms", "n_postings", "n_docs"):
+                if not isinstance(meta.get(key), int):
+                    raise ValueError(f"field {key!r} missing or not an integer")
+        except (json.JSONDecodeError, AttributeError, ValueError) as e:
+            raise ValueError(f"{meta_path}: not a valid index meta.json ({e})") from None
         arrays = {}
         want = {"indptr": meta["n_terms"] + 1, "docs": meta["n_postings"], "scores": meta["n_postings"],
                 "doc_offsets": 3 * meta["n_docs"] + 1, "vocab_offsets": meta["n_terms"] + 1}
@@ -210,8 +252,8 @@ class Index:
             path = os.path.join(index_dir, name + ".npy")
             try:
                 arrays[name] = np.load(path, mmap_mode="r")
-            except (OSError, ValueError) as e:
-                raise ValueError(f"{path}: missing or corrupt index array ({e})") from None
+            except (OSError, ValueError, EOFError) as e:
+                raise ValueError(f"{path}: missing or corrupt index array ({type(e).__name__}: {e})") from None
             if arrays[name].shape != (n,):
                 raise ValueError(f"{path}: shape {arrays[name].shape}, meta.json says ({n},)")
         self.indptr = np.asarray(arrays["indptr"])

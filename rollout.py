@@ -1,6 +1,9 @@
-"""Multi-turn search rollouts with loss masks, under the exact Search-R1 protocol.
+"""The Search-R1 task and its multi-turn search rollouts with loss masks.
 
-Protocol (Search-R1, as in METHOD.md): the question goes into the fixed instruction below,
+This file is the one place that defines the task (METHOD.md, "The task"): the instruction, the
+observation block, the invalid-action message, answer extraction, and the exact-match reward.
+
+Protocol: the question goes into the fixed instruction below,
 rendered as one user message with the chat template. The model writes one turn until it closes
 </search> or </answer> (or hits the per-turn cap). The first <search>q</search> or
 <answer>a</answer> of the turn is its action:
@@ -19,12 +22,17 @@ All B questions x G samples run as one batch through one preallocated KV cache: 
 prefilled once and copied to its G rows; observations are appended to the cache (no prefix is
 recomputed); the retrieval of every searching row of a turn is one batched call.
 
+Reward: R = EM(answer, gold) in {0, 1}, where the answer is the last <answer>...</answer> the
+model wrote and both sides are normalised (lowercase, punctuation and the articles a/an/the
+dropped, whitespace collapsed); any gold answer may match. No format reward.
+
 Left out: asynchronous / continuous batching (finished rows idle until the batch ends), vLLM.
 
     python rollout.py CHECKPOINT_DIR INDEX_DIR "Who founded the company that makes the iPhone?"
 """
 
 import re
+import string
 import sys
 from dataclasses import dataclass, field
 
@@ -48,6 +56,8 @@ INFO_OPEN, INFO_CLOSE = "\n\n<information>", "</information>\n\n"
 STOP_STRINGS = ("</search>", "</answer>")
 ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+# Search-R1's own settings (its eval and training scripts); eval.py's command-line defaults
+SEARCH_R1_SETTINGS = dict(max_turns=4, max_turn_tokens=500, max_obs_tokens=500, top_k=3)
 
 
 def make_prompt(question):
@@ -67,6 +77,30 @@ def extract_answer(model_text):
     """The last <answer>...</answer> the model itself wrote, stripped; None when there is none."""
     found = ANSWER.findall(model_text)
     return found[-1].strip() if found else None
+
+
+def normalize_answer(s):
+    """Search-R1 / SQuAD normalisation: lowercase, drop punctuation and articles, squeeze spaces."""
+    s = s.lower()
+    s = "".join(ch for ch in s if ch not in set(string.punctuation))
+    s = re.sub(r"\b(a|an|the)\b", " ", s)
+    return " ".join(s.split())
+
+
+def exact_match(prediction, golden_answers):
+    """1.0 when the normalised prediction equals any normalised gold answer, else 0.0."""
+    if prediction is None:
+        return 0.0
+    if isinstance(golden_answers, str):
+        golden_answers = [golden_answers]
+    p = normalize_answer(prediction)
+    return float(any(p == normalize_answer(g) for g in golden_answers))
+
+
+def em_rewards(trajs, questions, group_size):
+    """R = EM of each trajectory's answer; trajectories are question-major, group_size each."""
+    golds = (q["golden_answers"] for q in questions for _ in range(group_size))
+    return [exact_match(t.answer, g) for t, g in zip(trajs, golds)]
 
 
 @dataclass
@@ -122,7 +156,7 @@ def rollout(model, tokenizer, retriever, questions, group_size, *, max_turns, ma
     active = [True] * len(trajs)
     for turn in range(max_turns + 1):
         final = turn == max_turns
-        toks, lps, _, logits = M.decode(
+        toks, lps, _, logits = M.sample_turn(
             model, tokenizer, cache, logits, active, max_turn_tokens, temperature=temperature,
             top_p=top_p, generator=generator, stop_ids=tokenizer.eos_ids, stop_strings=STOP_STRINGS)
         searching, chunks = [], [[] for _ in trajs]
@@ -162,8 +196,7 @@ if __name__ == "__main__":
         sys.exit("usage: python rollout.py CHECKPOINT_DIR INDEX_DIR QUESTION")
     from retriever import load_index
     policy, tok = M.load(sys.argv[1])
-    (traj,) = rollout(policy, tok, load_index(sys.argv[2]), [sys.argv[3]], 1, max_turns=4,
-                      max_turn_tokens=500, max_obs_tokens=500, top_k=3, temperature=0.0, top_p=1.0,
-                      generator=None)
+    (traj,) = rollout(policy, tok, load_index(sys.argv[2]), [sys.argv[3]], 1, temperature=0.0, top_p=1.0,
+                      generator=None, **SEARCH_R1_SETTINGS)
     print(traj.render(tok))
     print(f"answer: {traj.answer!r}  searches: {traj.n_search}  stop: {traj.stop}")

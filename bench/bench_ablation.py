@@ -57,7 +57,7 @@ def main():
             vals = [summ[key][field] for _, summ in rows]
             return f"{sum(vals) / len(vals):.3f} [{min(vals):.2f}, {max(vals):.2f}]"
         r0 = rows[0][0]
-        after = "start" if r0["after"] == "eval" else f"{r0['after']} {r0['iteration']}"
+        after = "start" if r0["after"] == "start" else f"{r0['after']} {r0['iteration']}"
         print(f"| {variant} | {after} | {r0['grpo_steps']} | {cell('all')} | " +
               " | ".join(cell(t) for t in types) + f" | {cell('all', 'searches')} |")
 

@@ -3,8 +3,8 @@
 Input: T positions x V vocabulary (default 2048 x 151,936, float32, Qwen2.5's vocabulary), random
 student and teacher logits (spread 2), tau_clip = 0.01. Each variant runs in its own process; the
 table gives the best of `--repeats` wall times and the peak resident memory above the inputs.
-  naive          ofsd.clipped_forward_kl_reference + autograd (materialises several (T, V) tensors)
-  compiled       torch.compile of the reference applied to row chunks of 256 (autograd)
+  naive          ofsd.clipped_forward_kl_spec + autograd (materialises several (T, V) tensors)
+  compiled       torch.compile of the spec applied to row chunks of 256 (autograd)
   ours-chunked   ofsd.clipped_forward_kl off CUDA: analytic gradient, 8 rows at a time; its (T, V)
                  gradient buffer is part of the extra memory
   ours-fused     ofsd.fused_linear_clipped_kl from hidden states (T, 896) + LM head (V, 896): the
@@ -45,17 +45,17 @@ def run(variant, T, V, dtype, device, repeats, q):
         s = torch.randn(T, V, device=device, dtype=dtype) * 2
         t = torch.randn(T, V, device=device, dtype=dtype) * 2
     if variant == "compiled":
-        comp = torch.compile(ofsd.clipped_forward_kl_reference)
+        comp = torch.compile(ofsd.clipped_forward_kl_spec)
 
         def fn(x):
             return sum(comp(x[c:c + 256], t[c:c + 256], 0.01) * x[c:c + 256].shape[0]
                        for c in range(0, T, 256)) / T
     elif variant == "naive":
         def fn(x):
-            return ofsd.clipped_forward_kl_reference(x, t, 0.01)
+            return ofsd.clipped_forward_kl_spec(x, t, 0.01)
     elif variant == "naive-fused":
         def fn(x):
-            return ofsd.clipped_forward_kl_reference(x @ w.T, ht @ w.T, 0.01)
+            return ofsd.clipped_forward_kl_spec(x @ w.T, ht @ w.T, 0.01)
     elif variant == "ours-chunked":
         def fn(x):
             return ofsd.clipped_forward_kl(x, t, 0.01)

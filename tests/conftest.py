@@ -1,5 +1,6 @@
 """Shared test fixtures: a small byte-level BPE tokenizer and random tiny Qwen2 checkpoints."""
 
+import json
 import os
 import sys
 
@@ -66,7 +67,6 @@ AGENT_QUESTION = "which river flows through Paris"
 
 @pytest.fixture(scope="session")
 def search_index(tmp_path_factory):
-    import json
     import retriever as R
     d = tmp_path_factory.mktemp("corpus")
     with open(d / "corpus.jsonl", "w") as f:
@@ -99,3 +99,21 @@ def agent(tokenizer, search_index):
         loss.backward()
         opt.step()
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def micro(tmp_path_factory, agent, tokenizer, search_index):
+    """A model folder, an index and tiny question files: everything evolve.py needs."""
+    d = tmp_path_factory.mktemp("micro")
+    M.save(agent, tokenizer, str(d / "model"))
+    qs = [{"question": AGENT_QUESTION, "golden_answers": ["Paris"], "type": "single"},
+          {"question": "who founded Tokyo", "golden_answers": ["Ada Lovelace"], "type": "bridge"},
+          {"question": "which lake is near London", "golden_answers": ["Paris"], "type": "single"}]
+    for name in ("train", "test"):
+        with open(d / f"{name}.jsonl", "w") as f:
+            f.writelines(json.dumps(q) + "\n" for q in qs)
+    index_dir = os.path.dirname(search_index.doc_offsets.filename)
+    return [f"--model_dir={d / 'model'}", f"--index_dir={index_dir}", f"--train_file={d / 'train.jsonl'}",
+            f"--test_file={d / 'test.jsonl'}", "--grpo_steps=2", "--questions_per_step=2", "--group_size=3",
+            "--ofsd_questions=3", "--max_turns=2", "--max_turn_tokens=24", "--max_obs_tokens=64",
+            "--micro_batch=3", "--lr=1e-4", "--lora_epochs=1", "--ofsd_micro_batch=2", "--temperature=1.2"]

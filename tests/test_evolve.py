@@ -11,27 +11,8 @@ import pytest
 from safetensors.torch import load_file
 
 import model as M
-from conftest import AGENT_QUESTION
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def micro(tmp_path_factory, agent, tokenizer, search_index):
-    """A model folder, an index and tiny question files: everything evolve.py needs."""
-    d = tmp_path_factory.mktemp("micro")
-    M.save(agent, tokenizer, str(d / "model"))
-    qs = [{"question": AGENT_QUESTION, "golden_answers": ["Paris"], "type": "single"},
-          {"question": "who founded Tokyo", "golden_answers": ["Ada Lovelace"], "type": "bridge"},
-          {"question": "which lake is near London", "golden_answers": ["Paris"], "type": "single"}]
-    for name in ("train", "test"):
-        with open(d / f"{name}.jsonl", "w") as f:
-            f.writelines(json.dumps(q) + "\n" for q in qs)
-    index_dir = os.path.dirname(search_index.doc_offsets.filename)
-    return [f"--model_dir={d / 'model'}", f"--index_dir={index_dir}", f"--train_file={d / 'train.jsonl'}",
-            f"--test_file={d / 'test.jsonl'}", "--grpo_steps=2", "--questions_per_step=2", "--group_size=3",
-            "--ofsd_questions=3", "--max_turns=2", "--max_turn_tokens=24", "--max_obs_tokens=64",
-            "--micro_batch=3", "--lr=1e-4", "--lora_epochs=1", "--ofsd_micro_batch=2", "--temperature=1.2"]
 
 
 def evolve(args, cwd=ROOT, **kw):
@@ -58,9 +39,11 @@ def test_one_iteration_end_to_end(micro, tmp_path):
     assert "grpo | it 0 | step    1 | reward" in p.stdout
 
 
-def test_kill_and_resume_matches_uninterrupted(micro, tmp_path):
-    """SIGKILL mid-run, then --resume: same loop position and weights as a run never killed."""
-    full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
+@pytest.fixture(scope="module")
+def killed_and_resumed(micro, tmp_path_factory):
+    """(a run never killed, a run SIGKILLed mid-run then resumed with --resume): their out_dirs."""
+    d = tmp_path_factory.mktemp("kill")
+    full, cut = str(d / "full"), str(d / "cut")
     args = micro + ["--iterations=2"]
     assert evolve(args + [f"--out_dir={full}"]).returncode == 0
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -78,10 +61,24 @@ def test_kill_and_resume_matches_uninterrupted(micro, tmp_path):
     assert json.load(open(last))["done"] < 5  # killed before the end
     p = evolve(args + [f"--out_dir={cut}", "--resume"])
     assert p.returncode == 0 and "resumed from" in p.stdout, p.stderr[-3000:]
-    a, b = json.load(open(os.path.join(full, "checkpoint", "state.json"))), json.load(open(state))
+    return full, cut
+
+
+def test_kill_and_resume_matches_uninterrupted(killed_and_resumed):
+    """SIGKILL mid-run, then --resume: same loop position and weights as a run never killed."""
+    full, cut = killed_and_resumed
+    a, b = (json.load(open(os.path.join(d, "checkpoint", "state.json"))) for d in (full, cut))
     assert (a["done"], a["step"]) == (b["done"], b["step"]) == (5, 4)
     wa, wb = weights(full), weights(cut)
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-6
+
+
+def test_kill_and_resume_logs_each_step_once(killed_and_resumed):
+    """After a kill and --resume, metrics.jsonl holds the same records, in order, as a run never killed."""
+    def records(d):
+        return [(r["kind"], r.get("step"), r.get("round")) for r in map(json.loads, open(os.path.join(d, "metrics.jsonl")))]
+    full, cut = killed_and_resumed
+    assert records(cut) == records(full)
 
 
 def test_unknown_key_is_rejected():

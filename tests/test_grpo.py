@@ -1,4 +1,4 @@
-"""grpo.py: Search-R1's exact match, group advantages and the GRPO loss, by hand."""
+"""grpo.py (and rollout.py's exact match): Search-R1's EM, group advantages and the GRPO loss, by hand."""
 
 import copy
 import math
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import grpo as GR
+import rollout as RO
 from conftest import AGENT_QUESTION
 from test_rollout import run
 
@@ -24,14 +25,13 @@ from test_rollout import run
 ])
 def test_exact_match_cases(pred, golds, want):
     """EM behaves like Search-R1's on articles, punctuation, case, spaces and several golds."""
-    assert GR.exact_match(pred, golds) == want
+    assert RO.exact_match(pred, golds) == want
 
 
 def test_prompt_example_is_not_an_answer():
     """A response without its own <answer> scores 0 even though the prompt shows <answer> Beijing."""
-    import rollout as RO
     assert RO.extract_answer("<think> hmm </think> I think it is Beijing") is None
-    assert GR.exact_match(RO.extract_answer("no tag, Beijing"), ["Beijing"]) == 0.0
+    assert RO.exact_match(RO.extract_answer("no tag, Beijing"), ["Beijing"]) == 0.0
 
 
 def test_group_advantages_by_hand():
@@ -46,9 +46,9 @@ def test_token_loss_by_hand():
     """PPO-clip and k3 KL terms equal values computed by hand."""
     logp = torch.tensor([-1.0, -2.0, -0.5])
     old = torch.tensor([-1.5, -1.0, -0.5])
-    ref = torch.tensor([-1.0, -2.5, -0.4])
+    kl_logp = torch.tensor([-1.0, -2.5, -0.4])
     adv = torch.tensor([1.0, -2.0, 0.5])
-    loss, pg, kl, clipped = GR.grpo_token_loss(logp, old, ref, adv, clip_ratio=0.2, kl_coef=0.1)
+    loss, pg, kl, clipped = GR.grpo_token_loss(logp, old, kl_logp, adv, clip_ratio=0.2, kl_coef=0.1)
     r = [math.exp(0.5), math.exp(-1.0), 1.0]
     want_pg = [max(-1.0 * r[0], -1.0 * 1.2), max(2.0 * r[1], 2.0 * 0.8), -0.5]
     want_kl = [0.0, math.exp(-0.5) + 0.5 - 1, math.exp(0.1) - 0.1 - 1]
@@ -58,8 +58,8 @@ def test_token_loss_by_hand():
     assert clipped.tolist() == [True, True, False]
 
 
-def test_policy_equal_to_reference(agent, tokenizer, search_index):
-    """On fresh rollouts with policy = reference: ratio = 1, KL = 0, pg = -mean token advantage."""
+def test_policy_equal_to_kl_model(agent, tokenizer, search_index):
+    """On fresh rollouts with policy = KL model: ratio = 1, KL = 0, pg = -mean token advantage."""
     trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION, "Ada"], G=3, temperature=1.0,
                 generator=torch.Generator().manual_seed(0))
     ids, valid, mask, old = GR.pad_batch(trajs, 0, "cpu")

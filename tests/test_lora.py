@@ -58,7 +58,7 @@ def test_merge_equals_adapter(tiny_checkpoint):
 def test_save_refused_while_adapter_attached(tmp_path, tiny_checkpoint):
     """model.save refuses a model with an unmerged adapter."""
     model, tok = M.load(tiny_checkpoint)
-    lora.attach(model)
+    lora.attach(model, r=8, alpha=16)
     with pytest.raises(ValueError, match="LoRA"):
         M.save(model, tok, str(tmp_path / "x"))
 

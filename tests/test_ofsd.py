@@ -66,7 +66,7 @@ def test_conditioning_aligns_student_tokens(agent, tokenizer, search_index):
     assert s_pos == [p for p, m in enumerate(stu.loss_mask) if m]
     teacher_prompt = tokenizer.decode(t_ids[:len(t_ids) - (len(stu.tokens) - stu.prompt_len)])
     assert teacher_prompt == M.chat_prompt(RO.make_prompt(AGENT_QUESTION) + ofsd.PRIVILEGED.format(
-        reference=tokenizer.decode(ref.tokens[ref.prompt_len:])))
+        tau_ref=tokenizer.decode(ref.tokens[ref.prompt_len:])))
 
 
 def test_gathered_hidden_states_predict_the_listed_positions():
@@ -121,8 +121,8 @@ def test_round_lowers_kl_and_merges(agent, tokenizer, search_index):
 
     ofsd.lora.merge = spy_merge
     try:
-        out = ofsd.ofsd_round(model, tokenizer, pairs, lora_rank=4, lora_alpha=8, lr=5e-3, epochs=8,
-                              micro_batch=2, tau_clip=1.0, max_grad_norm=1.0, seed=0)
+        out = ofsd.distill(model, tokenizer, pairs, lora_rank=4, lora_alpha=8, lr=5e-3, epochs=8,
+                           micro_batch=2, tau_clip=1.0, max_grad_norm=1.0, kl_chunk=256, seed=0)
     finally:
         ofsd.lora.merge = original
     assert out["pairs"] == 2 and out["incorrect_students"] == 1

@@ -1,4 +1,4 @@
-"""toyworld.py: determinism, disjoint splits, answerability, the scripted agent, the backbone format."""
+"""toyworld.py and toyagent.py: determinism, disjoint splits, answerability, the scripted agent, the backbone."""
 
 import filecmp
 import json
@@ -11,6 +11,7 @@ import torch
 import model as M
 import retriever as R
 import rollout as RO
+import toyagent as TA
 import toyworld as TW
 
 
@@ -33,11 +34,11 @@ def test_same_seed_same_bytes(world, tmp_path):
 def test_ensure_rebuilds_a_world_of_another_seed(tmp_path):
     """ensure() reuses a world built with the same seed and rewrites one built with another."""
     d = str(tmp_path / "w")
-    TW.ensure(d, 3, world_only=True)
+    TA.ensure(d, 3, 3, world_only=True)
     first = os.path.getmtime(os.path.join(d, "world.json"))
-    TW.ensure(d, 3, world_only=True)
+    TA.ensure(d, 3, 3, world_only=True)
     assert os.path.getmtime(os.path.join(d, "world.json")) == first
-    TW.ensure(d, 4, world_only=True)
+    TA.ensure(d, 4, 3, world_only=True)
     assert json.load(open(os.path.join(d, "world.json")))["seed"] == 4
     assert TW.read_jsonl(os.path.join(d, "test.jsonl")) == TW.make_questions(TW.make_world(4), 4)[1]
 
@@ -73,7 +74,7 @@ def test_scripted_agent_uses_the_protocol(world):
     train = TW.read_jsonl(os.path.join(world, "train.jsonl"))[:200]
     correct, searches = 0, 0
     for q in train:
-        turns, obs = TW.scripted_turns(q, index, rng)
+        turns, obs = TA.scripted_turns(q, index, rng, 3)
         assert all("<search>" in t for t in turns[:-1]) and "<answer>" in turns[-1]
         assert all(o.startswith(RO.INFO_OPEN + "Doc 1(Title: ") and o.endswith(RO.INFO_CLOSE) for o in obs)
         correct += RO.extract_answer(turns[-1]) in q["golden_answers"]
@@ -89,7 +90,7 @@ def test_scripted_agent_follows_its_plan(world):
     rng = random.Random(1)
     early = 0
     for q in TW.read_jsonl(os.path.join(world, "train.jsonl"))[:200]:
-        turns, _ = TW.scripted_turns(q, index, rng)
+        turns, _ = TA.scripted_turns(q, index, rng, 3)
         plan = turns[0].split("<think> I need ", 1)[1].split(". </think>", 1)[0].split(", then ")
         assert len(plan) == len(q["hops"]) or (len(plan) == 1 and q["type"] in ("bridge", "three_hop"))
         early += len(plan) < len(q["hops"])
@@ -101,7 +102,7 @@ def test_scripted_agent_follows_its_plan(world):
 def test_backbone_loads_with_transformers(world, tmp_path):
     """The backbone folder (a 2-step build) is a Qwen2 checkpoint transformers loads identically."""
     transformers = pytest.importorskip("transformers")
-    TW.build_backbone(world, str(tmp_path / "bb"), seed=0, steps=2)
+    TA.build_backbone(world, str(tmp_path / "bb"), seed=0, top_k=3, steps=2)
     ours, tok = M.load(str(tmp_path / "bb"))
     ref = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path / "bb"), dtype=torch.float32).eval()
     ids = torch.tensor([tok.encode(M.chat_prompt(RO.make_prompt("Who founded Kavo Works?")))])

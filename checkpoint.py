@@ -1,0 +1,134 @@
+"""A run's directory on disk: who owns it, its checkpoints, and resuming from them.
+
+A run directory (evolve.py's out_dir) belongs to the run: a fresh run writes RUN_MARKER into it
+first, and only refuses or (with --overwrite=true) replaces an earlier run's own files
+(RUN_FILES); a directory without the marker that is not empty is never touched. A checkpoint
+is written as checkpoint.tmp, then swapped in by two renames (checkpoint -> checkpoint.old,
+checkpoint.tmp -> checkpoint), so a kill at any instant leaves a whole checkpoint or
+checkpoint.old; `load_checkpoint` takes whichever is there. It holds the model (Hugging Face
+format), the optimizer, state.json (loop position, results, configuration, Python RNG) and one
+RNG file per rank, so a resumed run continues exactly where the killed one stopped.
+
+Left out: sharded (per-rank) model checkpoints, keeping more than the last checkpoint.
+"""
+
+import json
+import os
+import shutil
+import time
+
+import torch
+import torch.distributed as dist
+
+import model as M
+
+
+def barrier():
+    """Wait for every rank (a no-op in one process)."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
+RUN_MARKER = "evolve-run.json"  # written first into a fresh out_dir: the directory holds a run of ours
+RUN_FILES = (RUN_MARKER, "checkpoint", "checkpoint.tmp", "checkpoint.old", "metrics.jsonl", "results.md")
+def check_run_dir(out_dir, overwrite):
+    """A fresh run needs an out_dir that is new, empty, or (with --overwrite=true) an earlier run's."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise SystemExit(f"--out_dir={out_dir}: is a file, not a directory")
+    if not os.path.isdir(out_dir) or not os.listdir(out_dir):
+        return
+    if not os.path.isfile(os.path.join(out_dir, RUN_MARKER)):
+        raise SystemExit(f"--out_dir={out_dir}: exists, is not empty and holds no run of evolve.py "
+                         f"(no {RUN_MARKER}); nothing was changed: name a new or empty directory")
+    if not overwrite:
+        raise SystemExit(f"--out_dir={out_dir}: holds an earlier run; --resume continues it, "
+                         "--overwrite=true replaces its files (and only those)")
+
+
+def claim_run_dir(out_dir):
+    """Remove an earlier run's own files (RUN_FILES, nothing else), then write the marker first."""
+    for name in RUN_FILES:
+        path = os.path.join(out_dir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, RUN_MARKER + ".tmp"), "w") as f:
+        json.dump(dict(created=time.strftime("%Y-%m-%d %H:%M:%S")), f)
+    os.replace(os.path.join(out_dir, RUN_MARKER + ".tmp"), os.path.join(out_dir, RUN_MARKER))
+
+
+def check_resume(ckpt_dir, config, world_size, may_change):
+    """--resume needs a checkpoint written with the same settings (`may_change` aside) and ranks."""
+    state_file = next((os.path.join(d, "state.json") for d in (ckpt_dir, ckpt_dir + ".old")
+                       if os.path.isfile(os.path.join(d, "state.json"))), None)
+    if state_file is None:
+        raise SystemExit(f"--resume: no checkpoint in {os.path.dirname(ckpt_dir) or '.'} "
+                         f"({ckpt_dir}/state.json missing); run without --resume to start")
+    with open(state_file) as f:
+        state = json.load(f)
+    stored = state.get("config", {})
+    changed = sorted(k for k in set(stored) | set(config)
+                     if k not in may_change and stored.get(k, "<missing>") != config.get(k, "<missing>"))
+    if changed:
+        raise SystemExit(f"--resume: {state_file} was written with other settings: " +
+                         ", ".join(f"{k}={stored.get(k, '<missing>')!r} (now {config.get(k, '<missing>')!r})"
+                                   for k in changed) +
+                         f"; only {', '.join(may_change)} may change on resume")
+    if state.get("world_size", 1) != world_size:
+        raise SystemExit(f"--resume: {state_file} was written by {state.get('world_size', 1)} ranks, "
+                         f"this run has {world_size}")
+
+
+def keep_first_lines(path, n):
+    """Cut a JSON-lines file to its first n lines (temp file, then rename)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()[:n]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(lines)
+    os.replace(path + ".tmp", path)
+
+
+def save_checkpoint(ckpt_dir, policy, tokenizer, optimizer, rng, gen, state, rank):
+    """Write checkpoint.tmp (model, optimizer, state.json on rank 0; each rank's RNG state), then
+    swap it in with two renames. A kill at any instant leaves checkpoint or checkpoint.old whole."""
+    tmp = ckpt_dir + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        M.save(policy, tokenizer, os.path.join(tmp, "model"))
+        torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+        py = rng.getstate()
+        with open(os.path.join(tmp, "state.json"), "w") as f:
+            json.dump(dict(state, py_rng=[py[0], list(py[1]), py[2]]), f)
+    barrier()  # every rank saves its own RNG state into the same new checkpoint
+    torch.save(dict(gen=gen.get_state(), torch=torch.get_rng_state()), os.path.join(tmp, f"rng{rank}.pt"))
+    barrier()
+    if rank == 0:
+        if os.path.exists(ckpt_dir):
+            os.replace(ckpt_dir, ckpt_dir + ".old")
+        os.replace(tmp, ckpt_dir)
+        shutil.rmtree(ckpt_dir + ".old", ignore_errors=True)
+    barrier()
+
+
+def load_checkpoint(ckpt_dir, rank, rng, gen, dev, dt, lr):
+    """The policy, tokenizer, optimizer and state of the last checkpoint; restores rng and gen."""
+    if rank == 0 and not os.path.exists(ckpt_dir) and os.path.exists(ckpt_dir + ".old"):
+        os.replace(ckpt_dir + ".old", ckpt_dir)  # killed between the checkpoint's two renames
+    barrier()
+    with open(os.path.join(ckpt_dir, "state.json")) as f:
+        state = json.load(f)
+    policy, tokenizer = M.load(os.path.join(ckpt_dir, "model"), dev, dt)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
+    optimizer.load_state_dict(torch.load(os.path.join(ckpt_dir, "optimizer.pt"), weights_only=True))
+    rng_state = torch.load(os.path.join(ckpt_dir, f"rng{rank}.pt"), weights_only=True)
+    gen.set_state(rng_state["gen"])
+    torch.set_rng_state(rng_state["torch"])
+    rng.setstate((state["py_rng"][0], tuple(state["py_rng"][1]), state["py_rng"][2]))
+    if rank == 0:
+        print(f"resumed from {ckpt_dir}: {state['done']} rounds done")
+    return policy, tokenizer, optimizer, state

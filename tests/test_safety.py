@@ -1,0 +1,267 @@
+"""Nothing a user owns is deleted, and bad input or settings fail early with a named error."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import checkpoint as CK
+import eval as EV
+import model as M
+import retriever as R
+from conftest import random_model, tiny_config
+from test_evolve import ROOT, evolve
+
+sys.path.insert(0, ROOT)
+import evolve as E  # noqa: E402
+
+
+def good_config(**changes):
+    cfg = {k: getattr(E, k) for k in E.config_keys}
+    cfg.update(changes)
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# run directories
+
+def test_out_dir_with_user_files_is_refused(micro, tmp_path):
+    """A non-empty out_dir without our marker is refused and every file in it is kept."""
+    out = tmp_path / "mine"
+    (out / ".git").mkdir(parents=True)
+    (out / "notes.txt").write_text("keep me")
+    p = evolve(micro + [f"--out_dir={out}"])
+    assert p.returncode != 0 and "holds no run of evolve.py" in p.stderr and str(out) in p.stderr
+    assert sorted(os.listdir(out)) == [".git", "notes.txt"] and (out / "notes.txt").read_text() == "keep me"
+
+
+def test_earlier_run_needs_overwrite_and_keeps_user_files(micro, tmp_path):
+    """An earlier run's out_dir is refused without --overwrite=true; with it only the run's files go."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / CK.RUN_MARKER).write_text("{}")
+    (out / "metrics.jsonl").write_text('{"kind": "old"}\n')
+    (out / "notes.txt").write_text("keep me")
+    p = evolve(micro + [f"--out_dir={out}", "--iterations=0"])
+    assert p.returncode != 0 and "--overwrite=true" in p.stderr
+    assert (out / "metrics.jsonl").read_text() == '{"kind": "old"}\n'
+    p = evolve(micro + [f"--out_dir={out}", "--iterations=0", "--overwrite=true"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert (out / "notes.txt").read_text() == "keep me"
+    assert [json.loads(x)["kind"] for x in open(out / "metrics.jsonl")] == ["eval"]
+
+
+def test_resume_without_checkpoint_is_an_error(micro, tmp_path):
+    """--resume with no checkpoint names the directory and creates nothing."""
+    out = tmp_path / "typo"
+    p = evolve(micro + [f"--out_dir={out}", "--resume"])
+    assert p.returncode != 0 and "no checkpoint in" in p.stderr and str(out) in p.stderr
+    assert not out.exists()
+
+
+def test_resume_refuses_changed_settings(micro, tmp_path):
+    """--resume lists the keys that changed the run's meaning; a harmless one (eval_batch) passes."""
+    out = tmp_path / "run"
+    assert evolve(micro + [f"--out_dir={out}", "--iterations=0"]).returncode == 0
+    p = evolve(micro + [f"--out_dir={out}", "--iterations=0", "--resume", "--ofsd=false", "--lr=0.5"])
+    assert p.returncode != 0 and "lr=0.0001 (now 0.5)" in p.stderr and "ofsd=True (now False)" in p.stderr
+    p = evolve(micro + [f"--out_dir={out}", "--iterations=0", "--resume", "--eval_batch=7"])
+    assert p.returncode == 0 and "resumed from" in p.stdout, p.stderr[-2000:]
+
+
+def test_metrics_are_cut_back_to_the_checkpoint():
+    """keep_first_lines drops the rows a killed round wrote after the last checkpoint."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "metrics.jsonl")
+        with open(path, "w") as f:
+            f.writelines(f'{{"step": {i}}}\n' for i in range(5))
+        CK.keep_first_lines(path, 3)
+        assert [json.loads(x)["step"] for x in open(path)] == [0, 1, 2]
+
+
+# ----------------------------------------------------------------------------------------------
+# settings
+
+@pytest.mark.parametrize("change,named", [
+    (dict(group_size=1), "--group_size=1"), (dict(kl_policy="foo"), "--kl_policy='foo': must be one of round"),
+    (dict(grpo_steps=-1), "--grpo_steps=-1"), (dict(iterations=-1), "--iterations=-1"),
+    (dict(max_turn_tokens=0), "--max_turn_tokens=0"), (dict(questions_per_step=0), "--questions_per_step=0"),
+    (dict(micro_batch=0), "--micro_batch=0"), (dict(top_p=1.5), "--top_p=1.5: must be in (0, 1]"),
+    (dict(temperature=0.0), "--temperature=0.0"), (dict(dtype="fp8"), "--dtype='fp8'"),
+    (dict(train_file="/nonexistent.jsonl"), "--train_file=/nonexistent.jsonl: no such file"),
+])
+def test_bad_setting_is_named(change, named):
+    """Each out-of-range setting is refused before anything is written, naming key and range."""
+    with pytest.raises(SystemExit, match=None) as e:
+        E.check_config(good_config(**change))
+    assert named in str(e.value)
+
+
+def test_defaults_pass_the_checks():
+    """The shipped configuration passes check_config."""
+    E.check_config(good_config())
+
+
+def test_empty_train_file_fails_before_out_dir(micro, tmp_path):
+    """An empty train file is refused at once; out_dir is not created."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    out = tmp_path / "run"
+    p = evolve([a for a in micro if not a.startswith("--train_file")] + [f"--train_file={empty}", f"--out_dir={out}"])
+    assert p.returncode != 0 and f"--train_file={empty}" in p.stderr and not out.exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# question files and eval.py
+
+@pytest.mark.parametrize("line,named", [
+    ('{"question": "q", "golden_answers": [3, null]}', "golden_answers must be a non-empty list of strings"),
+    ('{"question": "\\udcff", "golden_answers": ["a"]}', "UnicodeEncodeError"),
+    ('{"question": "q"}', "needs 'question' and 'golden_answers'"),
+    ('not json', "JSONDecodeError"),
+])
+def test_bad_question_line_is_named(tmp_path, line, named):
+    """A bad question line is an error naming file:line and the fault."""
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"question": "fine", "golden_answers": ["a"]}\n' + line + "\n")
+    with pytest.raises(ValueError, match=f"{path}:2") as e:
+        EV.read_questions(str(path))
+    assert named in str(e.value)
+
+
+def test_empty_question_file_is_named(tmp_path):
+    """A file without questions is an error naming it (not a ZeroDivisionError later)."""
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n")
+    with pytest.raises(ValueError, match=f"{path}: no questions"):
+        EV.read_questions(str(path))
+
+
+def test_eval_reads_every_file_first(tmp_path):
+    """eval.py with a missing second --data file fails before evaluating, naming that file."""
+    good = tmp_path / "a.jsonl"
+    good.write_text('{"question": "q", "golden_answers": ["a"]}\n')
+    p = subprocess.run([sys.executable, "eval.py", "--model", str(tmp_path / "no_model"), "--index", "x",
+                        "--data", f"{good},{tmp_path / 'missing.jsonl'}", "--out", str(tmp_path / "o.jsonl")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "missing.jsonl" in p.stderr and "no_model" not in p.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoints
+
+@pytest.fixture
+def saved(tmp_path, tokenizer):
+    path = str(tmp_path / "ckpt")
+    M.save(random_model(tiny_config()), tokenizer, path)
+    return path
+
+
+def test_config_that_is_not_json_is_named(saved):
+    """A config.json that is not JSON is an error naming the file."""
+    with open(os.path.join(saved, "config.json"), "w") as f:
+        f.write("{not json")
+    with pytest.raises(ValueError, match="config.json: not valid JSON"):
+        M.load(saved)
+
+
+def test_truncated_safetensors_is_named(saved):
+    """A truncated model.safetensors is an error naming the file."""
+    path = os.path.join(saved, "model.safetensors")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    with pytest.raises(ValueError, match="model.safetensors: .*truncated or corrupt"):
+        M.load(saved)
+
+
+def test_other_architecture_is_refused(saved):
+    """A config whose architectures is not Qwen2ForCausalLM is refused even with model_type qwen2."""
+    cfg_path = os.path.join(saved, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["architectures"] = ["MistralForCausalLM"]
+    json.dump(cfg, open(cfg_path, "w"))
+    with pytest.raises(ValueError, match="architectures is \\['MistralForCausalLM'\\]"):
+        M.load(saved)
+
+
+def test_save_refuses_a_folder_of_user_files(tmp_path, tokenizer):
+    """model.save never replaces a folder that holds anything but checkpoint files."""
+    (tmp_path / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="not a checkpoint's"):
+        M.save(random_model(tiny_config()), tokenizer, str(tmp_path))
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
+# ----------------------------------------------------------------------------------------------
+# the retriever
+
+def write_corpus(path, lines):
+    with open(path, "wb") as f:
+        f.write(b"".join(x if isinstance(x, bytes) else x.encode() for x in lines))
+
+
+GOOD = ['{"id": "1", "contents": "\\"A\\"\\nalpha beta"}\n', '{"id": "2", "contents": "\\"B\\"\\ngamma"}\n']
+
+
+@pytest.mark.parametrize("bad,named", [
+    (b'{"id": "3", "contents": "\\"C\\"\\n\xff\xfe"}\n', "UnicodeDecodeError"),
+    ('{"id": "3", "text": "no title"}\n', "no 'contents' field"),
+])
+def test_bad_corpus_line_is_named(tmp_path, bad, named):
+    """A non-UTF-8 or field-less corpus line is an error naming file:3 and the fault."""
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, GOOD + [bad])
+    with pytest.raises(ValueError, match=f"{corpus}:3") as e:
+        R.build_index(str(corpus), str(tmp_path / "idx"))
+    assert named in str(e.value) and not (tmp_path / "idx").exists()
+
+
+@pytest.mark.parametrize("name", ["meta.json", "scores.npy"])
+def test_empty_index_file_is_named(tmp_path, name):
+    """A 0-byte meta.json or scores.npy is an error naming that file."""
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, GOOD)
+    R.build_index(str(corpus), str(tmp_path / "idx"))
+    open(tmp_path / "idx" / name, "w").close()
+    with pytest.raises(ValueError, match=name):
+        R.load_index(str(tmp_path / "idx"))
+
+
+def test_build_refuses_a_folder_of_user_files(tmp_path):
+    """retriever build never replaces a folder holding anything but index files."""
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, GOOD)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="is not an index folder"):
+        R.build_index(str(corpus), str(mine))
+    assert os.listdir(mine) == ["notes.txt"]
+
+
+def test_rebuild_keeps_a_whole_index_at_every_instant(tmp_path, monkeypatch):
+    """A rebuild killed between its renames leaves the old index whole at .old, which load names."""
+    corpus, idx = tmp_path / "c.jsonl", str(tmp_path / "idx")
+    write_corpus(corpus, GOOD)
+    R.build_index(str(corpus), idx)
+    real_replace = os.replace
+
+    def killed_after_first_rename(src, dst):
+        real_replace(src, dst)
+        if dst == idx + ".old":
+            raise KeyboardInterrupt  # the kill
+    monkeypatch.setattr(R.os, "replace", killed_after_first_rename)
+    with pytest.raises(KeyboardInterrupt):
+        R.build_index(str(corpus), idx)
+    monkeypatch.setattr(R.os, "replace", real_replace)
+    with pytest.raises(FileNotFoundError, match=r"previous index is whole at .*idx\.old"):
+        R.load_index(idx)
+    assert R.load_index(idx + ".old").search(["alpha"], 1)[0][0][0] == 0
+    assert R.load_index(idx + ".tmp").search(["gamma"], 1)[0][0][0] == 1  # the new one, whole too
+    R.build_index(str(corpus), idx)  # a rebuild recovers and cleans up
+    assert sorted(p for p in os.listdir(tmp_path) if p.startswith("idx")) == ["idx"]
+    assert np.asarray(R.load_index(idx).scores).size > 0

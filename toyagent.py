@@ -1,0 +1,320 @@
+"""The toy world's backbone: a scripted search agent, and a tiny Qwen2 warm-started on its
+trajectories so that it already speaks the Search-R1 protocol (toyworld.py is the world).
+
+Backbone: a tiny Qwen2 (3 layers, hidden 128, 4 query / 2 key-value heads), a byte-level BPE
+tokenizer trained on the world's text plus the chat tokens, warm-started by supervised training
+(loss on the agent's tokens only) on trajectories of a scripted agent that uses the real BM25
+index and rollout.py's exact prompt, tags and document block. The agent first writes its plan
+inside <think> ("I need the city, then the country."), so the number of hops is decided right
+after the question, from its wording. Every turn after an observation opens with
+<think> and a quote of the evidence (or "Nothing useful was found.", then it searches the entity
+by name), so the next move is decided in words after reading. It is imperfect in ways RL and
+OFSD can fix: 40% of its multi-hop plans stop after the first hop (the greedy backbone then
+answers a bridge question with the bridge entity: the error GRPO finds and fixes first), it
+sometimes searches a vague query (a family name alone) and trusts the top document, and it
+sometimes checks again, repeating a search before answering correctly (right but wasteful).
+The warm start uses length-bucketed batches (padding falls from 30% to 0.3% of the tokens) and
+runs the last layer's MLP only where there is a loss, so 2,400 steps fit in the 5-minute build.
+The agent searches with the loop's `top_k`, which the backbone's stamp records: a world built
+for another top_k gets a new backbone.
+
+Left out: natural-language variety (templates are fixed), a backbone for real-scale runs (use a
+Qwen2.5 checkpoint).
+
+    python toyworld.py OUT_DIR [--seed N] [--world-only] [--stats [--temperature T]]
+"""
+
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import model as M
+import retriever as R
+import rollout as RO
+from ofsd import PRIVILEGED
+from toyworld import TYPES, read_jsonl, stamped, write_atomic, write_world
+
+# backbone (tiny Qwen2) and its warm start
+BACKBONE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=True)
+BACKBONE_VERSION = 3  # bump when the scripted agent or the warm start changes: cached backbones rebuild
+VOCAB_SIZE = 3000
+SFT_STEPS = 2400
+SFT_BATCH = 4
+SFT_POOL = 1024  # examples sorted by length together (length-bucketed batches)
+SFT_LR = 2e-3
+COPY_WEIGHT = 5.0  # loss weight of agent tokens copied from the question or a document
+P_EARLY, P_VAGUE, P_REPEAT = 0.4, 0.2, 0.4  # the scripted agent's imperfections
+P_PRIVILEGED = 0.2  # share of warm-start examples that show a tau_ref trajectory (OFSD's teacher view)
+
+
+# ----------------------------------------------------------------------------------------------
+# the scripted agent
+
+CUES = {"city": " was born in the city of ", "year": " was born in the year ",
+        "country": " is a city in the country of ", "founder": " was founded by "}
+STEP_NAMES = {"city": "the city", "year": "the year", "country": "the country", "founder": "the founder"}
+OTHER_YEAR = "the other year"  # a comparison's second step
+NOTHING = "Nothing useful was found."  # the agent's quote when no passage states the fact
+CHECK = "Let me check again."  # the agent's decision to repeat a search (wasteful)
+ANSWER_STEP = "the answer"  # the last step of every plan
+
+
+def _hop_kinds(q):
+    """The relation each hop asks for, in order."""
+    text = q["question"]
+    if q["type"] == "comparison":
+        return ["year", "year"]
+    if text.startswith("Who founded"):
+        return ["founder"]
+    if text.startswith("In which country is the city"):
+        return ["country"]
+    if q["type"] == "single":
+        return ["city"]
+    if q["type"] == "bridge":
+        return ["founder", "city"] if "founder" in text else ["city", "country"]
+    return ["founder", "city", "country"]
+
+
+def _read(docs, entity, kind, trust_top=False):
+    """The agent reads the retrieved documents: (doc number, sentence, value) for the fact `kind`
+    of `entity`, from the entity's own passage when retrieved, else (trust_top: the vague agent's
+    mistake) from the first passage that states such a fact."""
+    order = [i for i, (t, _) in enumerate(docs) if t == entity] + (list(range(len(docs))) if trust_top else [])
+    for i in order:
+        title, text = docs[i]
+        for sentence in text.split(". "):
+            if CUES[kind] in sentence:
+                sentence = sentence.rstrip(".") + "."
+                return i + 1, f"Doc {i + 1}(Title: {title}) {sentence}", sentence.split(CUES[kind])[1].rstrip(".")
+    return None, NOTHING, "unknown"
+
+
+def scripted_turns(q, index, rng, top_k, imperfect=True):
+    """Turn texts and observations of the imperfect scripted agent (a turn follows each observation).
+
+    It first writes its plan, the facts it needs in order ("I need the city, then the country."),
+    searches the question itself, then each bridge entity by name; after each search it quotes the
+    sentence that answers the hop (so a reader sees the evidence) and names the next step of its
+    plan ("Next: the country." or "Next: the answer."), and answers with the last value; when the
+    entity's passage is not among the results it says so and searches the entity by name. The plan
+    puts the hop count right after the question, where the question's wording decides it, instead
+    of three hundred tokens later behind an observation. Imperfections: a share P_EARLY of
+    multi-hop trajectories plan only the first hop and answer after it; P_VAGUE of first searches
+    drop the subject's first word (vague) and read the top passage as the subject's; P_REPEAT of
+    searches are repeated once, after a quote and "Let me check again." (every turn after an
+    observation opens with <think>: with a bare repeated <search> there, the greedy model mixed the
+    two openings and wrote its query inside <think>)."""
+    kinds = _hop_kinds(q)
+    early = imperfect and len(kinds) > 1 and q["type"] != "comparison" and rng.random() < P_EARLY
+    query = q["question"].rstrip("?")
+    vague = imperfect and rng.random() < P_VAGUE
+    if vague:  # the subject's first word is left out, and the agent trusts the top passage
+        subject = q["hops"][0][0]
+        query = query.replace(subject, subject.split(" ", 1)[-1]) if " " in subject else query
+    steps = [STEP_NAMES[k] for k in kinds[:1 if early else None]]
+    if q["type"] == "comparison":
+        steps[1] = OTHER_YEAR
+    steps.append(ANSWER_STEP)
+    turns, obs = [f"<think> I need {', then '.join(steps[:-1])}. </think>\n"], []
+    entity, found = q["hops"][0][0], []
+    for h, kind in enumerate(kinds):
+        if q["type"] == "comparison":
+            entity = q["hops"][h][0]
+        repeats = 2 if imperfect and rng.random() < P_REPEAT else 1
+        trust = vague and h == 0  # the vague agent reads the top passage as if it were the subject's
+        if h > 0 and q["type"] == "comparison":
+            query = entity
+            if entity in obs[-1]:
+                repeats = 0  # both people were in the first results
+        for r in range(repeats):
+            turns[-1] += f"<search> {query} </search>"
+            hits = index.search([query], top_k)[0]
+            docs = [index.doc(i) for i, _ in hits]
+            obs.append(RO.observation(docs))
+            turns.append("")
+            if r < repeats - 1:  # a repeat: quote, then decide to check again (every turn opens with <think>)
+                turns[-1] += f"<think> {_read(docs, entity, kind, trust)[1]} {CHECK} </think>\n"
+        doc_no, quote, value = _read(docs, entity, kind, trust)
+        if doc_no is None:  # the entity's passage was not retrieved: search the entity by its name
+            turns[-1] += f"<think> {quote} </think>\n<search> {entity} </search>"
+            docs = [index.doc(i) for i, _ in index.search([entity], top_k)[0]]
+            obs.append(RO.observation(docs))
+            turns.append("")
+            _, quote, value = _read(docs, entity, kind)
+        found.append(value)
+        turns[-1] += f"<think> {quote} Next: {steps[h + 1]}. </think>\n"
+        if early or q["type"] != "comparison":
+            entity = query = value
+        if early:
+            break
+    if q["type"] == "comparison":
+        (a, _), (b, _) = q["hops"]
+        years = [int(y) if y.isdigit() else 9999 for y in found]
+        answer = a if years[0] <= years[1] else b
+    else:
+        answer = found[-1]
+    turns[-1] += f"<answer> {answer} </answer>"
+    return turns, obs
+
+
+# the agent's fixed wording (tokenizer training text; never weighted as a copy)
+TEMPLATE_TEXT = (f"<think> I need {', then '.join(STEP_NAMES.values())}, then {OTHER_YEAR}. </think>\n"
+                 f"<search> </search> <think> Doc 1(Title: ) {''.join(CUES.values())}. Next: {ANSWER_STEP}. {CHECK} "
+                 f"</think>\n<answer> </answer> {NOTHING}")
+
+
+def _turn_tokens(tokenizer, turns, obs, context, template):
+    """Interleave turns and observations -> (ids, weights); `context` collects copyable ids."""
+    ids, weight = [], []
+    for i, t in enumerate(turns):
+        tt = tokenizer.encode(t) + ([tokenizer.eos_ids[0]] if i == len(turns) - 1 else [])
+        ids += tt
+        weight += [COPY_WEIGHT if x in context and x not in template else 1.0 for x in tt]
+        if i < len(obs):
+            o = tokenizer.encode(obs[i])
+            ids += o
+            weight += [0.0] * len(o)
+            context |= set(o)
+    return ids, weight
+
+
+def scripted_tokens(tokenizer, q, index, rng, top_k, privileged=False):
+    """Token ids and per-token loss weights of one scripted trajectory: 0 on the prompt and the
+    observations; on the agent's own tokens 1, or COPY_WEIGHT where the agent copies a word from
+    the question or a document (names, years): the skill a tiny model is slowest to pick up.
+
+    privileged=True: the prompt also shows a clean reference trajectory in OFSD's teacher
+    wording (ofsd.PRIVILEGED), and the agent follows it, so the backbone can read privileged
+    context the way an instruct model reads a worked example (OFSD's teacher relies on that)."""
+    template = set(tokenizer.encode(TEMPLATE_TEXT)) | set(tokenizer.eos_ids)  # never weighted as copies
+    context = set(tokenizer.encode(q["question"]))
+    message = RO.make_prompt(q["question"])
+    if privileged:
+        turns, obs = scripted_turns(q, index, rng, top_k, imperfect=False)
+        ref_ids, _ = _turn_tokens(tokenizer, turns, obs, set(), template)
+        message += PRIVILEGED.format(tau_ref=tokenizer.decode(ref_ids))
+        context |= set(ref_ids)
+    else:
+        turns, obs = scripted_turns(q, index, rng, top_k)
+    prompt = tokenizer.encode(M.chat_prompt(message))
+    ids, weight = _turn_tokens(tokenizer, turns, obs, context, template)
+    return prompt + ids, [0.0] * len(prompt) + weight
+
+
+# ----------------------------------------------------------------------------------------------
+# the backbone
+
+def build_backbone(world_dir, out_dir, seed, top_k, steps=SFT_STEPS):
+    """Train the tokenizer and warm-start the tiny Qwen2 on scripted trajectories; save it."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed + 2)
+    index = R.load_index(os.path.join(world_dir, "index"))
+    train = read_jsonl(os.path.join(world_dir, "train.jsonl"))
+    corpus = [json.loads(line)["contents"] for line in open(os.path.join(world_dir, "corpus.jsonl"))]
+    texts = corpus + [RO.INSTRUCTION, RO.INVALID, RO.INFO_OPEN + "Doc 1(Title: x) y" + RO.INFO_CLOSE,
+                      TEMPLATE_TEXT] * 20
+    texts += [q["question"] for q in train]
+    tmp = out_dir.rstrip("/") + ".build"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    tok = M.Tokenizer.train(texts, VOCAB_SIZE, os.path.join(tmp, "tokenizer.json"))
+    data = [scripted_tokens(tok, train[i % len(train)], index, rng, top_k, privileged=rng.random() < P_PRIVILEGED)
+            for i in range(steps * SFT_BATCH)]  # a fresh trajectory for every example seen
+    # length-bucketed batches: each pool of SFT_POOL examples is sorted by length and cut into
+    # batches, so a batch pads 0.3% instead of 30% of its tokens; the batches are then shuffled
+    order = list(range(len(data)))
+    rng.shuffle(order)
+    batches = []
+    for p in range(0, len(order), SFT_POOL):
+        pool = sorted(order[p:p + SFT_POOL], key=lambda i: len(data[i][0]))
+        batches += [pool[j:j + SFT_BATCH] for j in range(0, len(pool), SFT_BATCH)]
+    rng.shuffle(batches)
+    model = M.Qwen2(M.Qwen2Config(vocab_size=VOCAB_SIZE, **BACKBONE))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.02)
+    opt = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.0, betas=(0.9, 0.98))
+    model.train()
+    bar = tqdm(range(steps), desc="backbone warm start")
+    for step in bar:
+        lr = SFT_LR * min(1.0, (step + 1) / 30) * 0.5 * (1 + math.cos(math.pi * step / steps))  # warm-up, cosine
+        for g in opt.param_groups:
+            g["lr"] = lr
+        batch = [data[i] for i in batches[step]]
+        ids, valid = M.pad_right([x for x, _ in batch])  # (B, T) each
+        weight = torch.zeros(ids.shape)
+        for i, (_, w) in enumerate(batch):
+            weight[i, :len(w)] = torch.tensor(w)
+        target = weight[:, 1:] > 0  # the agent's tokens
+        h = model.hidden(ids[:, :-1], valid=valid[:, :-1], select=target)  # (n, d) only where there is a loss
+        logits = F.linear(h, model.lm_head_weight)  # (n, V)
+        w = weight[:, 1:][target]
+        loss = (F.cross_entropy(logits, ids[:, 1:][target], reduction="none") * w).sum() / w.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    model.eval()
+    M.save(model, tok, out_dir)  # temp folder + rename
+    stamp = dict(version=BACKBONE_VERSION, seed=seed, steps=steps, top_k=top_k)
+    write_atomic(os.path.join(out_dir, "toyworld.json"), json.dumps(stamp))  # written last: marks a finished build
+    shutil.rmtree(tmp)
+
+
+def ensure(world_dir, seed, top_k, world_only=False):
+    """The toy world in world_dir (and its backbone in world_dir/backbone), built once, reused; a
+    world or backbone from another seed, another BACKBONE_VERSION or top_k, or an unfinished build
+    is rebuilt."""
+    backbone = os.path.join(world_dir, "backbone")
+    if not (stamped(os.path.join(world_dir, "world.json"), seed=seed)
+            and stamped(os.path.join(world_dir, "index", "meta.json"), format=R.FORMAT_VERSION)):
+        t0 = time.time()
+        write_world(world_dir, seed)
+        print(f"toy world written to {world_dir} in {time.time() - t0:.0f}s", file=sys.stderr)
+    if not world_only and not stamped(os.path.join(backbone, "toyworld.json"), version=BACKBONE_VERSION,
+                                      seed=seed, top_k=top_k):
+        t0 = time.time()
+        build_backbone(world_dir, backbone, seed, top_k)
+        print(f"toy backbone written to {backbone} in {time.time() - t0:.0f}s", file=sys.stderr)
+    return world_dir, backbone
+
+
+def backbone_stats(world_dir, *, group_size, temperature, max_turns, max_turn_tokens, max_obs_tokens, top_k, seed):
+    """The warm start's targets on the test split: greedy EM per type; the share of questions whose
+    group of `group_size` samples (at `temperature`) holds both a correct and an incorrect answer;
+    mean searches per question, greedy and sampled, against the minimum (one per hop); and the
+    searches of the correct samples against their minimum (the waste OFSD's tau_ref trajectories remove)."""
+    import eval as EV  # the project's greedy evaluation (eval.py imports nothing from here)
+    model, tok = M.load(os.path.join(world_dir, "backbone"))
+    index = R.load_index(os.path.join(world_dir, "index"))
+    test = read_jsonl(os.path.join(world_dir, "test.jsonl"))
+    args = dict(max_turns=max_turns, max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens, top_k=top_k)
+    greedy = EV.summarize(EV.evaluate(model, tok, index, test, batch=len(test), **args), "type")
+    trajs = RO.rollout(model, tok, index, [q["question"] for q in test], group_size, temperature=temperature, top_p=1.0,
+                       generator=torch.Generator().manual_seed(seed), **args)
+    mixed, none_right, right = 0, 0, []  # right: (searches, hops) of each correct sample
+    for i, q in enumerate(test):
+        group = trajs[i * group_size:(i + 1) * group_size]
+        r = [RO.exact_match(t.answer, q["golden_answers"]) for t in group]
+        mixed += len(set(r)) == 2
+        none_right += not any(r)
+        right += [(t.n_search, len(q["hops"])) for t, ok in zip(group, r) if ok]
+    out = {f"em_{k}": greedy[k]["em"] for k in TYPES}
+    out.update(em=greedy["all"]["em"], mixed_groups=mixed / len(test), all_wrong_groups=none_right / len(test),
+               searches=greedy["all"]["searches"],
+               sampled_searches=sum(t.n_search for t in trajs) / len(trajs),
+               min_searches=sum(len(q["hops"]) for q in test) / len(test),
+               correct_searches=sum(n for n, _ in right) / max(len(right), 1),  # right but wasteful:
+               correct_min_searches=sum(h for _, h in right) / max(len(right), 1))  # ... what OFSD trims
+    return out
