@@ -53,12 +53,15 @@ test_file = ""                 # "" = toy test.jsonl                            
 test_limit = 0                 # evaluate on the first N test questions; 0 = all
 iterations = 2                 # GRPO round + OFSD round pairs
 grpo_steps = 25                # GRPO optimizer steps per round
-questions_per_step = 16        # questions per GRPO step, over all ranks      (512)
+questions_per_step = 16        # questions rolled out per GRPO step, over all ranks  (512)
+ppo_mini_batch = 16            # questions per optimizer update: questions_per_step / ppo_mini_batch
+                               # updates a step, from the second on the clip acts      (256)
 group_size = 5                 # G rollouts per question                      (5)
 micro_batch = 20               # trajectories per forward/backward            (memory-bound)
 lr = 2e-4                      # GRPO AdamW learning rate                     (1e-6)
 warmup_steps = 3               # linear warm-up of the GRPO learning rate
-kl_coef = 0.001                # KL-to-reference coefficient (k3 estimator)   (0.001)
+kl_coef = 0.001                # KL-term coefficient (k3 estimator)           (0.001)
+entropy_coef = 0.0             # entropy bonus: loss -= entropy_coef * token-mean entropy  (0.001)
 kl_policy = "round"            # the KL term's model: "round" = the policy this GRPO round started
                                # from (after an OFSD merge, so GRPO is not pulled back across the
                                # consolidation); "initial" = the starting model, as the anchor
@@ -102,9 +105,9 @@ def main():
         CK.check_resume(ckpt_dir, config, world_size, RESUME_MAY_CHANGE)
     else:
         CK.check_run_dir(out_dir, overwrite)
-    if min(questions_per_step, ofsd_questions) < world_size:
-        raise SystemExit(f"--questions_per_step={questions_per_step} and --ofsd_questions={ofsd_questions} "
-                         f"must be at least the number of ranks ({world_size})")
+    if min(ppo_mini_batch, ofsd_questions) < world_size:
+        raise SystemExit(f"--ppo_mini_batch={ppo_mini_batch} and --ofsd_questions={ofsd_questions} must be "
+                         f"at least the number of ranks ({world_size}): every rank needs questions")
 
     # -----------------------------------------------------------------------------------------
     # setup: data, the policy and the KL term's model, optimizer, random state (or a checkpoint)
@@ -160,8 +163,9 @@ def main():
             grpo.grpo_round(
                 policy, kl_model, optimizer, tokenizer, index, lambda: sample_questions(questions_per_step),
                 steps=grpo_steps, first_step=state["step"], lr=lr, warmup_steps=warmup_steps,
-                group_size=group_size, micro_batch=micro_batch, clip_ratio=clip_ratio, kl_coef=kl_coef,
-                max_grad_norm=max_grad_norm, rollout_args=rollout_args,
+                group_size=group_size, ppo_updates=questions_per_step // ppo_mini_batch, micro_batch=micro_batch,
+                clip_ratio=clip_ratio, kl_coef=kl_coef, entropy_coef=entropy_coef, max_grad_norm=max_grad_norm,
+                rollout_args=rollout_args,
                 log=lambda m: record(dict(kind="grpo_step", iteration=it, **m), grpo_line(m, it)))
             state["step"] += grpo_steps
         elif kind == "ofsd":
@@ -217,11 +221,11 @@ def parse_overrides(argv):
     return out
 
 
-POSITIVE = ("grpo_steps", "questions_per_step", "micro_batch", "warmup_steps", "max_turn_tokens",
+POSITIVE = ("grpo_steps", "questions_per_step", "ppo_mini_batch", "micro_batch", "warmup_steps", "max_turn_tokens",
             "max_obs_tokens", "top_k", "ofsd_questions", "lora_rank", "lora_epochs", "ofsd_micro_batch",
             "eval_batch", "kl_chunk", "lr", "lora_lr", "lora_alpha", "clip_ratio", "max_grad_norm",
             "temperature", "tau_clip")
-NOT_NEGATIVE = ("iterations", "max_turns", "test_limit", "kl_coef", "seed", "world_seed")
+NOT_NEGATIVE = ("iterations", "max_turns", "test_limit", "kl_coef", "entropy_coef", "seed", "world_seed")
 CHOICES = dict(kl_policy=("round", "initial"), dtype=("auto", "float32", "bfloat16", "float16"))
 RESUME_MAY_CHANGE = ("resume", "overwrite", "out_dir", "world_dir", "iterations", "eval_batch", "micro_batch",
                      "kl_chunk")  # paths, the run's length, and batch sizes that change float sums only
@@ -235,6 +239,9 @@ def check_config(cfg):
     if cfg["group_size"] < 2:
         bad.append(f"--group_size={cfg['group_size']}: must be >= 2 (a group of one has no advantage "
                    "and gives no OFSD pair)")
+    if cfg["ppo_mini_batch"] > 0 and cfg["questions_per_step"] % cfg["ppo_mini_batch"]:
+        bad.append(f"--ppo_mini_batch={cfg['ppo_mini_batch']}: must divide --questions_per_step="
+                   f"{cfg['questions_per_step']}")
     if not 0 < cfg["top_p"] <= 1:
         bad.append(f"--top_p={cfg['top_p']}: must be in (0, 1]")
     if not (cfg["device"] in ("auto", "cpu", "cuda") or cfg["device"].startswith("cuda:")):
@@ -278,8 +285,8 @@ def ranks_identical(policy):
 
 def grpo_line(m, it):
     return (f"grpo | it {it} | step {m['step']:4d} | reward {m['reward']:.3f} | loss {m['loss']:+.4f} | "
-            f"kl {m['kl']:.5f} | clip {m['clip_frac']:.3f} | searches {m['searches']:.2f} | "
-            f"tokens {m['tokens']:6d} | {m['seconds']:.1f}s")
+            f"kl {m['kl']:.5f} | clip {m['clip_frac']:.3f} | entropy {m['entropy']:.3f} | "
+            f"searches {m['searches']:.2f} | tokens {m['tokens']:6d} | {m['seconds']:.1f}s")
 
 
 def ofsd_line(row, m):

@@ -8,12 +8,14 @@ so a group with equal rewards gives no policy gradient. The loss per policy-samp
     pg_t   = max(-A * rho_t, -A * clip(rho_t, 1 - eps, 1 + eps))
     d_t    = clamp(log pi_kl(t) - log pi(t), -20, 20)     (pi_kl: the KL model, see grpo_round)
     kl_t   = exp(d_t) - d_t - 1                            (k3, then clamped to [-10, 10])
-    L      = sum_t loss_mask_t * (pg_t + beta * kl_t) / sum_t loss_mask_t    (token mean)
+    H_t    = -sum_v pi(v) log pi(v)                       (the entropy at t's position)
+    L      = sum_t loss_mask_t * (pg_t + beta * kl_t - c_H * H_t) / sum_t loss_mask_t   (token mean)
 with log-probabilities taken from softmax(logits / temperature), the rollout's temperature.
 (The +-20 clamp only keeps exp() finite; the +-10 clamp is veRL's.)
 
-A GRPO round is `steps` such updates, each on a fresh rollout batch of the current policy; one
-optimizer step per rollout batch, so the ratio rho is 1 at the update (METHOD.md, departures).
+A GRPO round is `steps` steps, each on a fresh rollout batch of the current policy, passed over
+once in `ppo_updates` shuffled mini-batches of whole groups, one optimizer update each: the first
+update sees rho = 1, the later ones a moved policy, where the clip acts (as veRL's PPO epochs).
 
 Left out: value models / GAE (GRPO needs none), format rewards (the anchor uses EM only),
 dynamic sampling and length penalties.
@@ -50,29 +52,36 @@ def pad_batch(trajs, pad_id, device):
     return ids, valid, mask, old
 
 
-def token_logprobs(model, ids, valid, mask, temperature):
-    """log softmax(logits / temperature) of each token where mask is 1: (n_masked,).
+def token_logprobs(model, ids, valid, mask, temperature, entropy=False):
+    """log softmax(logits / temperature) of each token where mask is 1: (n_masked,); with
+    entropy=True also the entropy -sum_v p log p of each of those distributions: (n_masked,).
 
     Logits are computed only at the masked positions (the (B, T, V) tensor is never built).
     """
     pred = mask[:, 1:]  # token t is predicted from position t - 1
     h_sel = model.hidden(ids, valid=valid, select=F.pad(pred, (0, 1)))  # (n, d)
     logits = F.linear(h_sel, model.lm_head_weight).float() / temperature  # (n, V)
-    return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:][pred][:, None]).squeeze(-1)  # (n,)
+    log_p = torch.log_softmax(logits, -1)  # (n, V)
+    logp = log_p.gather(-1, ids[:, 1:][pred][:, None]).squeeze(-1)  # (n,)
+    return (logp, -(log_p.exp() * log_p).sum(-1)) if entropy else logp
 
 
-def grpo_token_loss(logp, old_logp, kl_logp, adv, clip_ratio, kl_coef):
-    """Per-token PPO-clip + k3 KL terms, all (n,); returns (loss, pg, kl, clipped indicator)."""
+def grpo_token_loss(logp, old_logp, kl_logp, adv, clip_ratio, kl_coef, entropy=None, entropy_coef=0.0):
+    """Per-token PPO-clip + k3 KL terms, minus the entropy bonus, all (n,);
+    returns (loss, pg, kl, clipped indicator)."""
     ratio = torch.exp(logp - old_logp)
     pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_ratio, 1 + clip_ratio))
     log_r = (kl_logp - logp).clamp(-20, 20)
     kl = (torch.exp(log_r) - log_r - 1).clamp(-10, 10)
     clipped = (ratio - ratio.clamp(1 - clip_ratio, 1 + clip_ratio)).abs() > 0
-    return pg + kl_coef * kl, pg, kl, clipped
+    loss = pg + kl_coef * kl
+    if entropy_coef:
+        loss = loss - entropy_coef * entropy
+    return loss, pg, kl, clipped
 
 
 def grpo_step(model, kl_model, optimizer, trajs, advantages, *, micro_batch, clip_ratio, kl_coef,
-              temperature, max_grad_norm, pad_id):
+              entropy_coef, temperature, max_grad_norm, pad_id):
     """One optimizer step on `trajs` (a PPO mini-batch): masked token-mean loss, accumulated over
     micro-batches, gradients all-reduced across ranks when torch.distributed is initialised."""
     device = model.model.embed_tokens.weight.device
@@ -80,7 +89,7 @@ def grpo_step(model, kl_model, optimizer, trajs, advantages, *, micro_batch, cli
     if dist.is_initialized():
         dist.all_reduce(n_tokens)
     optimizer.zero_grad(set_to_none=True)
-    sums = torch.zeros(4, device=device)  # loss, pg, kl, clipped (token sums)
+    sums = torch.zeros(5, device=device)  # loss, pg, kl, clipped, entropy (token sums)
     for s in range(0, len(trajs), micro_batch):
         part = trajs[s:s + micro_batch]
         ids, valid, mask, old = pad_batch(part, pad_id, device)
@@ -89,10 +98,11 @@ def grpo_step(model, kl_model, optimizer, trajs, advantages, *, micro_batch, cli
         old_tok = old[:, 1:][mask[:, 1:]]  # (n,)
         with torch.no_grad():
             kl_tok = token_logprobs(kl_model, ids, valid, mask, temperature)
-        logp = token_logprobs(model, ids, valid, mask, temperature)
-        loss, pg, kl, clipped = grpo_token_loss(logp, old_tok, kl_tok, adv_tok, clip_ratio, kl_coef)
+        logp, entropy = token_logprobs(model, ids, valid, mask, temperature, entropy=True)
+        loss, pg, kl, clipped = grpo_token_loss(logp, old_tok, kl_tok, adv_tok, clip_ratio, kl_coef,
+                                                entropy, entropy_coef)
         (loss.sum() / n_tokens).backward()
-        sums += torch.stack([loss.sum(), pg.sum(), kl.sum(), clipped.float().sum()]).detach()
+        sums += torch.stack([loss.sum(), pg.sum(), kl.sum(), clipped.float().sum(), entropy.sum()]).detach()
     params = [p for p in model.parameters() if p.requires_grad]
     if dist.is_initialized():
         for p in params:  # each rank's loss is already divided by the global token count: sum
@@ -103,16 +113,20 @@ def grpo_step(model, kl_model, optimizer, trajs, advantages, *, micro_batch, cli
     optimizer.step()
     sums /= n_tokens
     return dict(loss=sums[0].item(), pg=sums[1].item(), kl=sums[2].item(), clip_frac=sums[3].item(),
-                grad_norm=grad_norm.item(), tokens=int(n_tokens.item()))
+                entropy=sums[4].item(), grad_norm=grad_norm.item(), tokens=int(n_tokens.item()))
 
 
 def grpo_round(policy, kl_model, optimizer, tokenizer, index, next_questions, *, steps, first_step, lr,
-               warmup_steps, group_size, micro_batch, clip_ratio, kl_coef, max_grad_norm, rollout_args, log):
-    """`steps` GRPO updates of `policy`, each on a fresh rollout batch: sample questions, roll out
-    G trajectories each, reward by EM, group advantages, one PPO-clip + KL step. `kl_model` is the
-    KL term's model; `next_questions()` gives this rank's questions for one step; the learning rate warms up
-    linearly over the run's first `warmup_steps` steps (`first_step` = steps before this round).
-    `log(metrics)` is called after every step; returns the list of step metrics."""
+               warmup_steps, group_size, ppo_updates, micro_batch, clip_ratio, kl_coef, entropy_coef,
+               max_grad_norm, rollout_args, log):
+    """`steps` GRPO steps of `policy`, each on a fresh rollout batch: sample questions, roll out G
+    trajectories each, reward by EM, group advantages, then one pass over the batch in
+    `ppo_updates` shuffled mini-batches of whole groups, one PPO-clip + KL update each (from the
+    second on, the ratio to the rollout policy departs from 1 and the clip acts). `kl_model` is
+    the KL term's model; `next_questions()` gives this rank's questions for one step; the learning
+    rate warms up linearly over the run's first `warmup_steps` steps (`first_step` = steps before
+    this round). `log(metrics)` is called after every step; returns the list of step metrics,
+    each with its updates' own metrics under "updates"."""
     history = []
     policy.train()
     for s in range(steps):
@@ -126,9 +140,21 @@ def grpo_round(policy, kl_model, optimizer, tokenizer, index, next_questions, *,
         advantages = group_advantages(rewards, group_size).tolist()
         for g in optimizer.param_groups:
             g["lr"] = lr * min(1.0, step / warmup_steps)
-        m = grpo_step(policy, kl_model, optimizer, trajs, advantages, micro_batch=micro_batch,
-                      clip_ratio=clip_ratio, kl_coef=kl_coef, temperature=rollout_args["temperature"],
-                      max_grad_norm=max_grad_norm, pad_id=tokenizer.pad_id)
+        order = list(range(len(questions)))  # questions of this rank, each with its G trajectories
+        if ppo_updates > 1:
+            gen = rollout_args["generator"]
+            order = torch.randperm(len(order), generator=gen, device=gen.device).tolist()
+        updates = []
+        for u in range(ppo_updates):  # equal shares (one more for the first len % ppo_updates)
+            part = [i * group_size + j for i in order[u::ppo_updates] for j in range(group_size)]
+            updates.append(grpo_step(
+                policy, kl_model, optimizer, [trajs[i] for i in part], [advantages[i] for i in part],
+                micro_batch=micro_batch, clip_ratio=clip_ratio, kl_coef=kl_coef, entropy_coef=entropy_coef,
+                temperature=rollout_args["temperature"], max_grad_norm=max_grad_norm, pad_id=tokenizer.pad_id))
+        m = {k: sum(x[k] for x in updates) / len(updates) for k in updates[0]}  # mean over the updates
+        m["tokens"] = sum(x["tokens"] for x in updates)
+        if ppo_updates > 1:
+            m["updates"] = updates
         device = policy.model.embed_tokens.weight.device
         stats = torch.tensor([sum(rewards), sum(t.n_search for t in trajs), len(trajs)], device=device)
         if dist.is_initialized():

@@ -98,7 +98,7 @@ def pair_sequences(tokenizer, ref, stu):
     """Student and teacher token ids plus the aligned loss positions (predicted token indices)."""
     response = stu.tokens[stu.prompt_len:]
     ref_text = tokenizer.decode(ref.tokens[ref.prompt_len:])
-    teacher_prompt = tokenizer.encode(M.chat_prompt(make_prompt(stu.question) + PRIVILEGED.format(tau_ref=ref_text)))
+    teacher_prompt = tokenizer.encode(tokenizer.chat_prompt(make_prompt(stu.question) + PRIVILEGED.format(tau_ref=ref_text)))
     pos = [p for p in range(stu.prompt_len, len(stu.tokens)) if stu.loss_mask[p]]
     shift = len(teacher_prompt) - stu.prompt_len
     return stu.tokens, teacher_prompt + response, pos, [p + shift for p in pos]

@@ -3,9 +3,11 @@
 This file is the one place that defines the task (METHOD.md, "The task"): the instruction, the
 observation block, the invalid-action message, answer extraction, and the exact-match reward.
 
-Protocol: the question goes into the fixed instruction below,
-rendered as one user message with the chat template. The model writes one turn until it closes
-</search> or </answer> (or hits the per-turn cap). The first <search>q</search> or
+Protocol: the question goes into the fixed instruction below, rendered as one user message with
+the checkpoint's own chat template (`tokenizer.chat_prompt`). The model writes one turn until it
+closes </search> or </answer>, ends its turn with an end-of-turn token, or hits the per-turn
+cap. An end-of-turn token is not kept: not in the tokens, the mask, the log-probs or the KV
+cache (Search-R1 decodes each turn without special tokens). The first <search>q</search> or
 <answer>a</answer> of the turn is its action:
     search  -> "\\n\\n<information>" + top-k documents ("Doc {i}(Title: {title}) {text}\\n") +
                "</information>\\n\\n" is appended (truncated to the observation cap), and
@@ -141,7 +143,7 @@ def rollout(model, tokenizer, retriever, questions, group_size, *, max_turns, ma
             max_obs_tokens, top_k, temperature, top_p, generator):
     """Run len(questions) x group_size trajectories; returns them question-major (q0 g0, q0 g1, ...)."""
     G = group_size
-    prompts = [tokenizer.encode(M.chat_prompt(make_prompt(q))) for q in questions]
+    prompts = [tokenizer.encode(tokenizer.chat_prompt(make_prompt(q))) for q in questions]
     trajs = [Trajectory(q, len(p)) for q, p in zip(questions, prompts) for _ in range(G)]
     for t, p in zip(trajs, (p for p in prompts for _ in range(G))):
         t.add(p, sampled=False)
@@ -156,9 +158,14 @@ def rollout(model, tokenizer, retriever, questions, group_size, *, max_turns, ma
     active = [True] * len(trajs)
     for turn in range(max_turns + 1):
         final = turn == max_turns
-        toks, lps, _, logits = M.sample_turn(
+        toks, lps, reasons, logits = M.sample_turn(
             model, tokenizer, cache, logits, active, max_turn_tokens, temperature=temperature,
             top_p=top_p, generator=generator, stop_ids=tokenizer.eos_ids, stop_strings=STOP_STRINGS)
+        ended = [i for i, why in enumerate(reasons) if why == "stop_id"]  # the turn ended on <|im_end|> & co.
+        for i in ended:  # Search-R1 decodes turns without special tokens: the token is not kept anywhere
+            toks[i].pop()
+            lps[i].pop()
+        cache.drop_last(ended)  # (the next chunk's logits replace this row's, computed after the token)
         searching, chunks = [], [[] for _ in trajs]
         for i, t in enumerate(trajs):
             if not active[i]:

@@ -45,7 +45,7 @@ from toyworld import TYPES, read_jsonl, stamped, write_atomic, write_world
 # backbone (tiny Qwen2) and its warm start
 BACKBONE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=True)
-BACKBONE_VERSION = 3  # bump when the scripted agent or the warm start changes: cached backbones rebuild
+BACKBONE_VERSION = 4  # bump when the scripted agent or the warm start changes: cached backbones rebuild
 VOCAB_SIZE = 3000
 SFT_STEPS = 2400
 SFT_BATCH = 4
@@ -205,7 +205,7 @@ def scripted_tokens(tokenizer, q, index, rng, top_k, privileged=False):
         context |= set(ref_ids)
     else:
         turns, obs = scripted_turns(q, index, rng, top_k)
-    prompt = tokenizer.encode(M.chat_prompt(message))
+    prompt = tokenizer.encode(tokenizer.chat_prompt(message))
     ids, weight = _turn_tokens(tokenizer, turns, obs, context, template)
     return prompt + ids, [0.0] * len(prompt) + weight
 

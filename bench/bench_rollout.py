@@ -33,7 +33,7 @@ QUESTIONS = ["who founded the city of paris", "where was ada lovelace born", "wh
 
 def baseline(hf, hf_tok, tok, index, questions, G, turns, cap, max_obs):
     """The protocol loop with the whole prefix re-encoded by transformers' generate every turn."""
-    rows = [tok.encode(M.chat_prompt(RO.make_prompt(q))) for q in questions for _ in range(G)]
+    rows = [tok.encode(tok.chat_prompt(RO.make_prompt(q))) for q in questions for _ in range(G)]
     active, n_gen = list(range(len(rows))), 0
     for turn in range(turns + 1):
         if not active:
@@ -78,7 +78,7 @@ def main():
     ap.add_argument("--cap", type=int, default=32)
     args = ap.parse_args()
     import transformers
-    tok = M.Tokenizer(args.tokenizer)
+    tok = M.Tokenizer(args.tokenizer, chat_template=M.QWEN2_CHAT_TEMPLATE)  # random weights: any template
     hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=args.tokenizer)
     tmp = tempfile.mkdtemp()
     with open(os.path.join(tmp, "c.jsonl"), "w") as f:

@@ -83,7 +83,7 @@ def agent(tokenizer, search_index):
     import rollout as RO
     torch.manual_seed(0)
     model = random_model(tiny_config(num_hidden_layers=2, hidden_size=64), seed=1)
-    prompt = tokenizer.encode(M.chat_prompt(RO.make_prompt(AGENT_QUESTION)))
+    prompt = tokenizer.encode(tokenizer.chat_prompt(RO.make_prompt(AGENT_QUESTION)))
     turn1 = tokenizer.encode("<think> I need to search. </think>\n<search> river Paris </search>")
     hits = search_index.search(["river Paris"], 3)[0]
     obs = tokenizer.encode(RO.observation([search_index.doc(i) for i, _ in hits]))
@@ -114,6 +114,6 @@ def micro(tmp_path_factory, agent, tokenizer, search_index):
             f.writelines(json.dumps(q) + "\n" for q in qs)
     index_dir = os.path.dirname(search_index.doc_offsets.filename)
     return [f"--model_dir={d / 'model'}", f"--index_dir={index_dir}", f"--train_file={d / 'train.jsonl'}",
-            f"--test_file={d / 'test.jsonl'}", "--grpo_steps=2", "--questions_per_step=2", "--group_size=3",
+            f"--test_file={d / 'test.jsonl'}", "--grpo_steps=2", "--questions_per_step=2", "--ppo_mini_batch=2", "--group_size=3",
             "--ofsd_questions=3", "--max_turns=2", "--max_turn_tokens=24", "--max_obs_tokens=64",
             "--micro_batch=3", "--lr=1e-4", "--lora_epochs=1", "--ofsd_micro_batch=2", "--temperature=1.2"]

@@ -70,7 +70,7 @@ def test_policy_equal_to_kl_model(agent, tokenizer, search_index):
     adv = [1.0, -1.0, 0.5, 0.0, 2.0, -0.5]
     opt = torch.optim.SGD(policy.parameters(), lr=0.001)
     m = GR.grpo_step(policy, agent, opt, trajs, adv, micro_batch=4, clip_ratio=0.2, kl_coef=0.001,
-                     temperature=1.0, max_grad_norm=1.0, pad_id=0)
+                     entropy_coef=0.0, temperature=1.0, max_grad_norm=1.0, pad_id=0)
     lengths = [sum(t.loss_mask) for t in trajs]
     want_pg = -sum(a * n for a, n in zip(adv, lengths)) / sum(lengths)
     assert abs(m["kl"]) <= 1e-6 and m["clip_frac"] == 0.0 and abs(m["pg"] - want_pg) <= 1e-4
@@ -87,6 +87,6 @@ def test_step_moves_toward_advantaged_samples(agent, tokenizer, search_index):
     with torch.no_grad():
         before = GR.token_logprobs(policy, ids, valid, mask, 1.0).sum()
     GR.grpo_step(policy, agent, opt, trajs, adv, micro_batch=2, clip_ratio=0.2, kl_coef=0.001,
-                 temperature=1.0, max_grad_norm=1.0, pad_id=0)
+                 entropy_coef=0.0, temperature=1.0, max_grad_norm=1.0, pad_id=0)
     with torch.no_grad():
         assert GR.token_logprobs(policy, ids, valid, mask, 1.0).sum() > before

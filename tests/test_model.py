@@ -105,7 +105,7 @@ def test_greedy_generation_matches_transformers(tiny_checkpoint, tokenizer):
     """32 greedy tokens on a ragged batch equal transformers' generate, token for token."""
     model, _ = M.load(tiny_checkpoint)
     ref = hf_model(tiny_checkpoint)
-    prompts = [tokenizer.encode(M.chat_prompt(q)) for q in
+    prompts = [tokenizer.encode(tokenizer.chat_prompt(q)) for q in
                ["who founded Paris?", "which river", "Ada Lovelace was born in which year and where?"]]
     ours, lps, reasons = M.generate(model, tokenizer, prompts, 32, stop_ids=[])
     ids, mask, _ = padded_batch([len(p) for p in prompts], 400)
@@ -120,7 +120,7 @@ def test_greedy_generation_matches_transformers(tiny_checkpoint, tokenizer):
 def test_sampled_logprobs_equal_full_forward(tiny_checkpoint, tokenizer):
     """The log-probability recorded for each sampled token equals a fresh forward's."""
     model, _ = M.load(tiny_checkpoint)
-    prompt = tokenizer.encode(M.chat_prompt("who was born in 1815?"))
+    prompt = tokenizer.encode(tokenizer.chat_prompt("who was born in 1815?"))
     g = torch.Generator().manual_seed(3)
     toks, lps, _ = M.generate(model, tokenizer, [prompt], 20, temperature=1.0, generator=g, stop_ids=[])
     with torch.no_grad():
@@ -169,7 +169,7 @@ def test_save_roundtrip_and_sharded_load(tmp_path, tiny_checkpoint):
         save_file({n: state[n] for n in part}, str(shard_dir / fname))
         weight_map.update({n: fname for n in part})
     (shard_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    for f in ("config.json", "tokenizer.json"):
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (shard_dir / f).write_text(open(os.path.join(tiny_checkpoint, f)).read())
     sharded, _ = M.load(str(shard_dir))
     ids = torch.randint(0, 400, (1, 9))

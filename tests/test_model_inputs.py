@@ -13,14 +13,14 @@ QWEN_CHAT = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_s
              "Who wrote Hamlet?<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_chat_template_exact():
-    """The chat string is Qwen's template, byte for byte."""
-    assert M.chat_prompt("Who wrote Hamlet?") == QWEN_CHAT
+def test_chat_template_exact(tokenizer):
+    """A tokenizer trained here renders Qwen2's template, byte for byte."""
+    assert tokenizer.chat_prompt("Who wrote Hamlet?") == QWEN_CHAT
 
 
 def test_encode_decode_roundtrip(tokenizer):
     """decode(encode(s)) == s, chat tokens are single ids, nothing is added implicitly."""
-    s = M.chat_prompt("Ünïcode, numbers 1912 and <search>Paris</search>?")
+    s = tokenizer.chat_prompt("Ünïcode, numbers 1912 and <search>Paris</search>?")
     ids = tokenizer.encode(s)
     assert tokenizer.decode(ids) == s
     assert ids[0] == tokenizer.tok.token_to_id("<|im_start|>")
@@ -29,7 +29,7 @@ def test_encode_decode_roundtrip(tokenizer):
 @pytest.mark.skipif(not os.environ.get("QWEN_TOKENIZER"), reason="set QWEN_TOKENIZER to Qwen2.5's tokenizer.json")
 def test_real_qwen_tokenizer():
     """The real Qwen2.5 tokenizer: known ids, chat tokens, round trip."""
-    tok = M.Tokenizer(os.environ["QWEN_TOKENIZER"])
+    tok = M.Tokenizer(os.environ["QWEN_TOKENIZER"], chat_template=M.QWEN2_CHAT_TEMPLATE)
     assert tok.encode("Hello world") == [9707, 1879]
     assert tok.eos_ids == [151645, 151643]
     ids = tok.encode(QWEN_CHAT)
@@ -103,7 +103,7 @@ def test_real_checkpoint_matches_transformers():
     transformers = pytest.importorskip("transformers")
     ours, tok = M.load(REAL)
     ref = transformers.Qwen2ForCausalLM.from_pretrained(REAL, dtype=torch.float32).eval()
-    ids = tok.encode(M.chat_prompt("Write a Python function that reverses a string."))
+    ids = tok.encode(tok.chat_prompt("Write a Python function that reverses a string."))
     with torch.no_grad():
         diff = (ours(torch.tensor([ids])) - ref(torch.tensor([ids])).logits).abs().max().item()
     print(f"real checkpoint max |logit diff| = {diff:.2e}")

@@ -65,7 +65,7 @@ def test_conditioning_aligns_student_tokens(agent, tokenizer, search_index):
     assert s_ids == stu.tokens and [s_ids[p] for p in s_pos] == [t_ids[p] for p in t_pos]
     assert s_pos == [p for p, m in enumerate(stu.loss_mask) if m]
     teacher_prompt = tokenizer.decode(t_ids[:len(t_ids) - (len(stu.tokens) - stu.prompt_len)])
-    assert teacher_prompt == M.chat_prompt(RO.make_prompt(AGENT_QUESTION) + ofsd.PRIVILEGED.format(
+    assert teacher_prompt == tokenizer.chat_prompt(RO.make_prompt(AGENT_QUESTION) + ofsd.PRIVILEGED.format(
         tau_ref=tokenizer.decode(ref.tokens[ref.prompt_len:])))
 
 

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-import model as M
 import rollout as RO
 from conftest import AGENT_QUESTION, random_model, tiny_config
 
@@ -56,7 +55,7 @@ def test_masks_split_model_text_from_environment(agent, tokenizer, search_index,
                 if text != RO.INVALID:
                     hits = search_index.search([next(queries)], 3)[0]
                     assert text == RO.observation([search_index.doc(i) for i, _ in hits])
-        assert tokenizer.decode(t.tokens[:t.prompt_len]) == M.chat_prompt(RO.make_prompt(AGENT_QUESTION))
+        assert tokenizer.decode(t.tokens[:t.prompt_len]) == tokenizer.chat_prompt(RO.make_prompt(AGENT_QUESTION))
 
 
 def test_logprobs_equal_full_forward(agent, tokenizer, search_index):

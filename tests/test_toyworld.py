@@ -105,7 +105,7 @@ def test_backbone_loads_with_transformers(world, tmp_path):
     TA.build_backbone(world, str(tmp_path / "bb"), seed=0, top_k=3, steps=2)
     ours, tok = M.load(str(tmp_path / "bb"))
     ref = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path / "bb"), dtype=torch.float32).eval()
-    ids = torch.tensor([tok.encode(M.chat_prompt(RO.make_prompt("Who founded Kavo Works?")))])
+    ids = torch.tensor([tok.encode(tok.chat_prompt(RO.make_prompt("Who founded Kavo Works?")))])
     with torch.no_grad():
         assert (ours(ids) - ref(ids).logits).abs().max() <= 1e-4
     assert tok.decode(ids[0].tolist()).endswith("<|im_start|>assistant\n")

@@ -1,0 +1,177 @@
+"""The Search-R1 protocol on real checkpoints: the checkpoint's chat template, end-of-turn tokens,
+PPO mini-batches and the entropy bonus."""
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+import grpo as GR
+import model as M
+import rollout as RO
+from conftest import AGENT_QUESTION, random_model, tiny_config
+from test_rollout import run
+
+QWEN25_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+MESSAGES = ["Who wrote Hamlet?", RO.make_prompt("who founded Paris"), "Ünïcode {braces} 'quotes' \\n <b>"]
+REAL = os.environ.get("QWEN_CHECKPOINT")
+
+
+def transformers_render(folder, message):
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    return tok.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                   add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("message", MESSAGES)
+def test_saved_folder_renders_like_transformers(tiny_checkpoint, message):
+    """A folder we save carries its chat template: transformers renders the same prompt as we do."""
+    _, tok = M.load(tiny_checkpoint)
+    assert tok.chat_prompt(message) == transformers_render(tiny_checkpoint, message)
+
+
+@pytest.mark.skipif(not REAL, reason="set QWEN_CHECKPOINT to a real Qwen2.5 folder")
+@pytest.mark.parametrize("message", MESSAGES)
+def test_real_checkpoint_renders_like_transformers(message):
+    """The real Qwen2.5 folder's template: Qwen2.5's default system message, as transformers renders it."""
+    _, tok = M.load(REAL)
+    assert tok.system == QWEN25_SYSTEM
+    assert tok.chat_prompt(message) == transformers_render(REAL, message)
+
+
+def test_template_it_cannot_render_names_the_file(tiny_checkpoint):
+    """A chat template without one default system message is an error naming tokenizer_config.json."""
+    path = os.path.join(tiny_checkpoint, "tokenizer_config.json")
+    cfg = json.load(open(path))
+    cfg["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    json.dump(cfg, open(path, "w"))
+    with pytest.raises(ValueError, match="tokenizer_config.json: chat_template is not a ChatML template"):
+        M.load(tiny_checkpoint)
+
+
+def test_qwen25_template_system_message(tokenizer, tmp_path):
+    """Qwen2.5's template text (tools branch included) yields its default system message."""
+    template = ("{%- if tools %}{{- '<|im_start|>system\\n' }}{%- if messages[0]['role'] == 'system' %}"
+                "{{- messages[0]['content'] }}{%- else %}{{- '" + QWEN25_SYSTEM + "' }}{%- endif %}"
+                "{%- else %}{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + "
+                "messages[0]['content'] + '<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>system\\n"
+                + QWEN25_SYSTEM + "<|im_end|>\\n' }}{%- endif %}{%- endif %}{%- for message in messages %}"
+                "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+                "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    tok = M.Tokenizer(tokenizer.path, chat_template=template)
+    assert tok.chat_prompt("hi") == (f"<|im_start|>system\n{QWEN25_SYSTEM}<|im_end|>\n"
+                                     "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+# ----------------------------------------------------------------------------------------------
+# end-of-turn tokens
+
+@pytest.fixture(scope="module")
+def eot_agent(tokenizer):
+    """A tiny Qwen2 trained to end its first turn with <|im_end|> (no tag), then to answer."""
+    torch.manual_seed(0)
+    model = random_model(tiny_config(), seed=3)
+    eot = tokenizer.tok.token_to_id("<|im_end|>")
+    prompt = tokenizer.encode(tokenizer.chat_prompt(RO.make_prompt(AGENT_QUESTION)))
+    turn1 = tokenizer.encode("<think> I know it. </think>") + [eot]
+    msg = tokenizer.encode(RO.INVALID)
+    turn2 = tokenizer.encode("<answer> Paris </answer>")
+    ids = torch.tensor([prompt + turn1 + msg + turn2])
+    mask = torch.tensor([[0] * len(prompt) + [1] * len(turn1) + [0] * len(msg) + [1] * len(turn2)]).bool()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(80):
+        loss = torch.nn.functional.cross_entropy(model(ids[:, :-1])[mask[:, 1:]], ids[:, 1:][mask[:, 1:]])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+def test_end_of_turn_token_is_not_kept(eot_agent, tokenizer, search_index):
+    """A turn ending on <|im_end|> leaves no end-of-turn id in tokens, mask or log-probs; the
+    invalid-action message follows the turn's text directly."""
+    (t,) = run(eot_agent, tokenizer, search_index, [AGENT_QUESTION], max_turns=2)
+    assert tokenizer.decode(t.tokens[t.prompt_len:]) == "<think> I know it. </think>" + RO.INVALID + \
+        "<answer> Paris </answer>"
+    assert not set(t.tokens[t.prompt_len:]) & set(tokenizer.eos_ids)
+    assert len(t.tokens) == len(t.loss_mask) == len(t.logprobs) and t.answer == "Paris"
+
+
+def test_cache_forgets_the_end_of_turn_token(eot_agent, tokenizer, search_index):
+    """After the dropped token, recorded log-probs equal a fresh forward over the kept tokens."""
+    trajs = run(eot_agent, tokenizer, search_index, [AGENT_QUESTION], G=3, max_turns=2, temperature=1.0,
+                generator=torch.Generator().manual_seed(0))
+    assert any(tokenizer.decode(t.tokens).count(RO.INVALID) for t in trajs)
+    for t in trajs:
+        with torch.no_grad():
+            logp = torch.log_softmax(eot_agent(torch.tensor([t.tokens]))[0].float(), -1)  # (T, V)
+        want = logp[:-1].gather(-1, torch.tensor(t.tokens)[1:, None])[:, 0]
+        m = torch.tensor(t.loss_mask[1:]).bool()
+        assert (torch.tensor(t.logprobs[1:])[m] - want[m]).abs().max() <= 1e-4
+
+
+@pytest.mark.skipif(not REAL, reason="set QWEN_CHECKPOINT to a real Qwen2.5 folder")
+def test_real_checkpoint_responses_hold_no_end_of_turn_id(search_index):
+    """Sampled rollouts of the real checkpoint: no end-of-turn id anywhere after the prompt."""
+    model, tok = M.load(REAL)
+    trajs = RO.rollout(model, tok, search_index, ["Who wrote Hamlet?", "What is the capital of France?"], 2,
+                       max_turns=2, max_turn_tokens=24, max_obs_tokens=64, top_k=2, temperature=1.0,
+                       top_p=1.0, generator=torch.Generator().manual_seed(0))
+    for t in trajs:
+        assert not set(t.tokens[t.prompt_len:]) & set(tok.eos_ids), t.render(tok)
+
+
+# ----------------------------------------------------------------------------------------------
+# PPO mini-batches and the entropy bonus
+
+def round_args(**kw):
+    args = dict(steps=1, first_step=0, lr=0.05, warmup_steps=1, group_size=3, ppo_updates=2, micro_batch=8,
+                clip_ratio=0.05, kl_coef=0.0, entropy_coef=0.0, max_grad_norm=100.0, log=lambda m: None,
+                rollout_args=dict(max_turns=2, max_turn_tokens=24, max_obs_tokens=64, top_k=3, temperature=1.0,
+                                  top_p=1.0, generator=torch.Generator().manual_seed(0)))
+    args.update(kw)
+    return args
+
+
+def test_second_mini_batch_sees_a_moved_policy(agent, tokenizer, search_index):
+    """Two mini-batches: the first update has ratio 1 (no clipping), the second clips (the entropy
+    bonus makes the first update move the policy even where a group's advantages are 0)."""
+    policy = copy.deepcopy(agent)
+    questions = [{"question": AGENT_QUESTION, "golden_answers": ["Paris"]},
+                 {"question": "which lake is near London", "golden_answers": ["Paris"]}]
+    opt = torch.optim.SGD(policy.parameters(), lr=0.05)
+    (m,) = GR.grpo_round(policy, agent, opt, tokenizer, search_index, lambda: questions,
+                         **round_args(entropy_coef=0.1))
+    first, second = m["updates"]
+    assert first["clip_frac"] == 0.0 and second["clip_frac"] > 0.0
+    assert m["tokens"] == first["tokens"] + second["tokens"]
+
+
+def test_entropy_bonus_moves_the_loss(agent, tokenizer, search_index):
+    """With entropy_coef c the reported loss is the plain loss minus c times the mean entropy."""
+    trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION], G=4, temperature=1.0,
+                generator=torch.Generator().manual_seed(2))
+    adv = [1.0, -1.0, 0.5, -0.5]
+
+    def step(coef):
+        policy = copy.deepcopy(agent)
+        return GR.grpo_step(policy, agent, torch.optim.SGD(policy.parameters(), lr=0.0), trajs, adv,
+                            micro_batch=4, clip_ratio=0.2, kl_coef=0.001, entropy_coef=coef,
+                            temperature=1.0, max_grad_norm=1.0, pad_id=0)
+    plain, bonus = step(0.0), step(0.3)
+    assert plain["entropy"] > 0 and abs(bonus["loss"] - (plain["loss"] - 0.3 * plain["entropy"])) <= 1e-5
+
+
+def test_entropy_is_the_distributions():
+    """token_logprobs(entropy=True) gives -sum p log p of softmax(logits / T) at each loss position."""
+    model = random_model(tiny_config(), seed=4)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    valid, mask = torch.ones_like(ids).bool(), torch.tensor([[0, 1, 1, 0]]).bool()
+    with torch.no_grad():
+        _, ent = GR.token_logprobs(model, ids, valid, mask, 0.7, entropy=True)
+        p = torch.softmax(model(ids)[0, :2].double() / 0.7, -1)  # positions 0, 1 predict tokens 1, 2
+    assert torch.allclose(ent.double(), -(p * p.log()).sum(-1), atol=1e-5)
