@@ -12,8 +12,8 @@
     print the results table, one row per evaluation
 
 The method, and where this code departs from Search-R1 and why, is METHOD.md. With no arguments
-it trains on the built-in toy world (toyworld.py, toyagent.py: built on first use, then cached)
-and prints a results table. Any constant below can be overridden as --key=value; `--resume`
+it trains on the built-in toy world (toyworld.py; written on first use, with the backbone that
+toyagent.py ships for world seed 0) and prints a results table. Any constant below can be overridden as --key=value; `--resume`
 continues a killed run from its last checkpoint. Real-scale settings (the anchor's values) are
 in the comments and in the README.
 
@@ -45,7 +45,7 @@ from retriever import load_index
 # ---------------------------------------------------------------------------------------------
 # config: plain constants, overridable as --key=value            (real scale: the anchor's value)
 out_dir = "runs/toy"           # checkpoint, metrics.jsonl, results
-world_dir = "cache/toyworld"   # the toy world and backbone, built here when missing
+world_dir = "cache/toyworld"   # the toy world and its backbone, written here when missing
 model_dir = ""                 # HF Qwen2 checkpoint; "" = the toy backbone    (Qwen2.5-3B-Instruct)
 index_dir = ""                 # BM25 index; "" = the toy world's                (wiki-18 index)
 train_file = ""                # FlashRAG questions; "" = toy train.jsonl       (NQ + HotpotQA train)
@@ -84,8 +84,8 @@ tau_clip = 0.05                # clip on each (position, vocabulary) KL term
 kl_chunk = 256                 # positions per LM-head chunk of the OFSD loss (memory, not results)
 eval_batch = 64                # questions per greedy evaluation batch
 seed = 0                       # sampling, question order, LoRA initialisation
-world_seed = 0                 # the toy world and its backbone (rebuilt when world_dir holds
-                               # another seed; seed 0 is the measured one: see README)
+world_seed = 0                 # the toy world (rewritten when world_dir holds another seed); seed
+                               # 0's backbone is shipped, another seed's is built (~4.5 min)
 device = "auto"                # "auto": cuda if available, else cpu
 dtype = "auto"                 # "auto": bfloat16 on cuda, float32 on cpu
 resume = False                 # continue from out_dir/checkpoint (the same settings; see RESUME_MAY_CHANGE)

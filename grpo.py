@@ -83,17 +83,19 @@ def grpo_token_loss(logp, old_logp, kl_logp, adv, clip_ratio, kl_coef, entropy=N
 def grpo_step(model, kl_model, optimizer, trajs, advantages, *, micro_batch, clip_ratio, kl_coef,
               entropy_coef, temperature, max_grad_norm, pad_id):
     """One optimizer step on `trajs` (a PPO mini-batch): masked token-mean loss, accumulated over
-    micro-batches, gradients all-reduced across ranks when torch.distributed is initialised."""
+    micro-batches of similar lengths, gradients all-reduced across ranks when torch.distributed
+    is initialised."""
     device = model.model.embed_tokens.weight.device
     n_tokens = torch.tensor(float(sum(sum(t.loss_mask) for t in trajs)), device=device)
     if dist.is_initialized():
         dist.all_reduce(n_tokens)
     optimizer.zero_grad(set_to_none=True)
     sums = torch.zeros(5, device=device)  # loss, pg, kl, clipped, entropy (token sums)
+    by_length = sorted(range(len(trajs)), key=lambda i: len(trajs[i].tokens))  # micro-batches pad little
     for s in range(0, len(trajs), micro_batch):
-        part = trajs[s:s + micro_batch]
-        ids, valid, mask, old = pad_batch(part, pad_id, device)
-        adv = torch.as_tensor(advantages[s:s + micro_batch], dtype=torch.float32, device=device)
+        rows = by_length[s:s + micro_batch]
+        ids, valid, mask, old = pad_batch([trajs[i] for i in rows], pad_id, device)
+        adv = torch.tensor([advantages[i] for i in rows], dtype=torch.float32, device=device)
         adv_tok = adv[:, None].expand_as(mask)[:, 1:][mask[:, 1:]]  # (n,) each token its row's advantage
         old_tok = old[:, 1:][mask[:, 1:]]  # (n,)
         with torch.no_grad():

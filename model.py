@@ -150,6 +150,28 @@ class KVCache:
     def max_len(self):
         return self.valid.shape[1]
 
+    def keep(self, rows):
+        """Keep only the listed rows (finished trajectories leave the batch), each with its valid
+        slots packed to the front in order, so attention reads as many slots as the longest row
+        holds instead of every slot any row used (a turn spends the longest row's slots on all).
+        A key may change slot: its rotary position was applied when it was written, `next_pos`
+        keeps counting, and masks come from `valid`."""
+        idx = torch.tensor(rows, device=self.valid.device)
+        valid = self.valid[idx, :self.length]  # (b, S)
+        n = valid.sum(1)  # (b,) tokens each row holds
+        packed = int(n.max()) if len(rows) else 0
+        order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)[:, :packed]  # (b, packed) valid first
+        L, _, H, _, D = self.k.shape
+        at = order[None, :, None, :, None].expand(L, len(rows), H, packed, D)  # (L, b, H, packed, D)
+        k = self.k[:, idx, :, :self.length].gather(3, at)  # copies, so the writes below cannot clobber
+        v = self.v[:, idx, :, :self.length].gather(3, at)
+        self.k, self.v = self.k[:, :len(rows)], self.v[:, :len(rows)]  # views of the same buffers
+        self.k[:, :, :, :packed] = k
+        self.v[:, :, :, :packed] = v
+        self.valid = torch.arange(self.max_len, device=idx.device)[None, :] < n[:, None]  # (b, max_len)
+        self.next_pos = self.next_pos[idx]
+        self.length = packed
+
     def drop_last(self, rows):
         """Forget the last token of each listed row (an end-of-turn token the trajectory does not
         keep): its slot becomes padding, which attention never sees, and the row's next rotary

@@ -22,7 +22,9 @@ both use this one definition.
 
 All B questions x G samples run as one batch through one preallocated KV cache: each prompt is
 prefilled once and copied to its G rows; observations are appended to the cache (no prefix is
-recomputed); the retrieval of every searching row of a turn is one batched call.
+recomputed); the retrieval of every searching row of a turn is one batched call. After each turn
+finished trajectories leave the batch and each row's tokens are packed to the front of the cache
+(`KVCache.keep`), so later turns attend over what the rows hold, not over every slot spent.
 
 Reward: R = EM(answer, gold) in {0, 1}, where the answer is the last <answer>...</answer> the
 model wrote and both sides are normalised (lowercase, punctuation and the articles a/an/the
@@ -155,46 +157,49 @@ def rollout(model, tokenizer, retriever, questions, group_size, *, max_turns, ma
     logits = M.extend(model, cache, prompts)  # (B, V) prefill once per question
     cache = cache.repeat_rows(G)  # (B*G rows)
     logits = logits.repeat_interleave(G, dim=0)  # (B*G, V)
-    active = [True] * len(trajs)
+    live = list(range(len(trajs)))  # the trajectory in each cache row; finished ones leave
     for turn in range(max_turns + 1):
         final = turn == max_turns
         toks, lps, reasons, logits = M.sample_turn(
-            model, tokenizer, cache, logits, active, max_turn_tokens, temperature=temperature,
+            model, tokenizer, cache, logits, [True] * len(live), max_turn_tokens, temperature=temperature,
             top_p=top_p, generator=generator, stop_ids=tokenizer.eos_ids, stop_strings=STOP_STRINGS)
-        ended = [i for i, why in enumerate(reasons) if why == "stop_id"]  # the turn ended on <|im_end|> & co.
-        for i in ended:  # Search-R1 decodes turns without special tokens: the token is not kept anywhere
-            toks[i].pop()
-            lps[i].pop()
+        ended = [r for r, why in enumerate(reasons) if why == "stop_id"]  # the turn ended on <|im_end|> & co.
+        for r in ended:  # Search-R1 decodes turns without special tokens: the token is not kept anywhere
+            toks[r].pop()
+            lps[r].pop()
         cache.drop_last(ended)  # (the next chunk's logits replace this row's, computed after the token)
-        searching, chunks = [], [[] for _ in trajs]
-        for i, t in enumerate(trajs):
-            if not active[i]:
-                continue
-            text = tokenizer.decode(toks[i])
-            t.add(toks[i], sampled=True, logprobs=lps[i])
+        searching, chunks, going = [], [[] for _ in live], []  # per cache row
+        for r, i in enumerate(live):
+            t = trajs[i]
+            text = tokenizer.decode(toks[r])
+            t.add(toks[r], sampled=True, logprobs=lps[r])
             t.model_text += text
             t.n_turns += 1
+            t.answer = extract_answer(t.model_text)
             m = ACTION.search(text)
             if m and m.group(1) == "answer":
-                t.stop, active[i] = "answer", False
-            elif final:
-                t.stop, active[i] = "final_turn_without_answer", False
-            elif m:
+                t.stop = "answer"
+                continue
+            if final:
+                t.stop = "final_turn_without_answer"
+                continue
+            going.append(r)
+            if m:
                 t.queries.append(m.group(2).strip())
-                searching.append(i)
+                searching.append(r)
             else:
-                chunks[i] = invalid_ids
-            t.answer = extract_answer(t.model_text)
+                chunks[r] = invalid_ids
         if searching:
-            hits = retriever.search([trajs[i].queries[-1] for i in searching], top_k)  # one batched call
-            for i, h in zip(searching, hits):
-                chunks[i] = tokenizer.encode(observation([retriever.doc(d) for d, _ in h]))[:max_obs_tokens]
-        for i, c in enumerate(chunks):
-            if c:
-                trajs[i].add(c, sampled=False)
-        logits = M.extend(model, cache, chunks, logits)
-        if not any(active):
+            hits = retriever.search([trajs[live[r]].queries[-1] for r in searching], top_k)  # one batched call
+            for r, h in zip(searching, hits):
+                chunks[r] = tokenizer.encode(observation([retriever.doc(d) for d, _ in h]))[:max_obs_tokens]
+        if not going:
             break
+        cache.keep(going)  # finished rows leave; every row's tokens packed to the front
+        logits, chunks, live = logits[going], [chunks[r] for r in going], [live[r] for r in going]  # (b, V)
+        for i, c in zip(live, chunks):
+            trajs[i].add(c, sampled=False)
+        logits = M.extend(model, cache, chunks, logits)
     return trajs
 
 

@@ -24,6 +24,7 @@ Qwen2.5 checkpoint).
     python toyworld.py OUT_DIR [--seed N] [--world-only] [--stats [--temperature T]]
 """
 
+import hashlib
 import json
 import math
 import os
@@ -54,6 +55,16 @@ SFT_LR = 2e-3
 COPY_WEIGHT = 5.0  # loss weight of agent tokens copied from the question or a document
 P_EARLY, P_VAGUE, P_REPEAT = 0.4, 0.2, 0.4  # the scripted agent's imperfections
 P_PRIVILEGED = 0.2  # share of warm-start examples that show a tau_ref trajectory (OFSD's teacher view)
+# the backbone for world seed 0 (top_k 3), built by build_backbone on the project's 2-core machine
+# and shipped, so every user starts from the same weights (builds differ across machines)
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "toy_backbone")
+SHIPPED_SHA256 = {
+    "config.json": "2b183ca0791fe937707c6911bae12a33b75b3a4cbb33fabe0b87db0e2d6bc86b",
+    "model.safetensors": "496d498404438955df45890f8cb177140394466a44bfbdb46ea1915e25d1b595",
+    "tokenizer.json": "424ada53acaa8080f2d958bcfd7e07c272eb47dc24cd1d76ce909040939337bb",
+    "tokenizer_config.json": "7b3dab91d4da24872e829154773a5502d91c7e9a96d6317c8130fbd689ed6bb6",
+    "toyworld.json": "626a1aa8849b6e96e4fd1bc72fd67ca41e28dedab191dae372ff7377199cbf2b",
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,22 +283,50 @@ def build_backbone(world_dir, out_dir, seed, top_k, steps=SFT_STEPS):
     shutil.rmtree(tmp)
 
 
-def ensure(world_dir, seed, top_k, world_only=False):
+def ensure(world_dir, seed, top_k, world_only=False, use_shipped=True):
     """The toy world in world_dir (and its backbone in world_dir/backbone), built once, reused; a
     world or backbone from another seed, another BACKBONE_VERSION or top_k, or an unfinished build
-    is rebuilt."""
+    is rebuilt. The backbone the repository ships (SHIPPED) is copied in instead of a build when it
+    fits (use_shipped; its files' hashes checked), so every user starts from the same weights."""
     backbone = os.path.join(world_dir, "backbone")
     if not (stamped(os.path.join(world_dir, "world.json"), seed=seed)
             and stamped(os.path.join(world_dir, "index", "meta.json"), format=R.FORMAT_VERSION)):
         t0 = time.time()
         write_world(world_dir, seed)
         print(f"toy world written to {world_dir} in {time.time() - t0:.0f}s", file=sys.stderr)
-    if not world_only and not stamped(os.path.join(backbone, "toyworld.json"), version=BACKBONE_VERSION,
-                                      seed=seed, top_k=top_k):
+    stamp = dict(version=BACKBONE_VERSION, seed=seed, top_k=top_k)
+    if not world_only and not stamped(os.path.join(backbone, "toyworld.json"), **stamp):
         t0 = time.time()
-        build_backbone(world_dir, backbone, seed, top_k)
-        print(f"toy backbone written to {backbone} in {time.time() - t0:.0f}s", file=sys.stderr)
+        if use_shipped and stamped(os.path.join(SHIPPED, "toyworld.json"), **stamp):
+            install_shipped(backbone)
+            print(f"toy backbone copied from {SHIPPED} (hashes checked)", file=sys.stderr)
+        else:
+            build_backbone(world_dir, backbone, seed, top_k)
+            print(f"toy backbone written to {backbone} in {time.time() - t0:.0f}s", file=sys.stderr)
     return world_dir, backbone
+
+
+def file_sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def install_shipped(backbone):
+    """Copy the shipped backbone to `backbone` (temp folder, then rename) after checking every
+    file against SHIPPED_SHA256; a file that does not match is an error naming it."""
+    for name, want in SHIPPED_SHA256.items():
+        got = file_sha256(os.path.join(SHIPPED, name))
+        if got != want:
+            raise ValueError(f"{os.path.join(SHIPPED, name)}: sha256 {got}, expected {want} (a damaged "
+                             "checkout? `git checkout assets/` restores it; --stats needs the real one)")
+    tmp = backbone.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(SHIPPED, tmp)
+    if os.path.isdir(backbone):
+        if not set(os.listdir(backbone)) <= M.CHECKPOINT_FILES:
+            raise ValueError(f"{backbone}: holds files that are not a backbone's; nothing was changed")
+        shutil.rmtree(backbone)
+    os.replace(tmp, backbone)
 
 
 def backbone_stats(world_dir, *, group_size, temperature, max_turns, max_turn_tokens, max_obs_tokens, top_k, seed):

@@ -23,9 +23,10 @@ Train and test share no subject entity; the test split is the built-in benchmark
 
 Left out: natural-language variety (templates are fixed), numeric-reasoning questions.
 
-    python toyworld.py OUT_DIR [--seed N] [--world-only] [--stats [--temperature T]]
+    python toyworld.py OUT_DIR [--seed N] [--world-only] [--shipped] [--stats [--temperature T]]
 
-writes the world, and (unless --world-only) the backbone (toyagent.ensure); --stats measures it.
+writes the world and (unless --world-only) builds the backbone from the code (toyagent.ensure;
+--shipped copies the one the repository ships, as evolve.py does); --stats measures it.
 """
 
 import argparse
@@ -174,10 +175,13 @@ def main():
     ap.add_argument("out_dir")
     ap.add_argument("--seed", type=int, default=E.world_seed)
     ap.add_argument("--world-only", action="store_true")
+    ap.add_argument("--shipped", action="store_true", help="copy the repository's backbone where it fits "
+                    "(what evolve.py does) instead of building it from the code")
     ap.add_argument("--stats", action="store_true", help="measure the backbone on the test split")
     ap.add_argument("--temperature", type=float, default=E.temperature, help="sampling temperature of --stats' groups")
     args = ap.parse_args()
-    world_dir, backbone = toyagent.ensure(args.out_dir, args.seed, E.top_k, args.world_only)
+    world_dir, backbone = toyagent.ensure(args.out_dir, args.seed, E.top_k, args.world_only,
+                                          use_shipped=args.shipped)
     print(f"world: {world_dir}" + ("" if args.world_only else f"\nbackbone: {backbone}"))
     if args.stats:
         print(json.dumps(toyagent.backbone_stats(

@@ -25,7 +25,7 @@ def main():
     ap.add_argument("extra", nargs="*", help="--key=value passed to evolve.py")
     args = ap.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, "toyworld.py", "cache/toyworld"], cwd=ROOT, check=True)  # build once
+    subprocess.run([sys.executable, "toyworld.py", "cache/toyworld", "--shipped"], cwd=ROOT, check=True)  # once
     jobs = [(variant, s) for s in args.seeds.split(",") for variant in ("grpo+ofsd", "grpo")]
     running = []
     os.makedirs(os.path.join(ROOT, args.out), exist_ok=True)

@@ -129,8 +129,8 @@ def test_real_checkpoint_responses_hold_no_end_of_turn_id(search_index):
 # PPO mini-batches and the entropy bonus
 
 def round_args(**kw):
-    args = dict(steps=1, first_step=0, lr=0.05, warmup_steps=1, group_size=3, ppo_updates=2, micro_batch=8,
-                clip_ratio=0.05, kl_coef=0.0, entropy_coef=0.0, max_grad_norm=100.0, log=lambda m: None,
+    args = dict(steps=1, first_step=0, lr=0.5, warmup_steps=1, group_size=3, ppo_updates=2, micro_batch=8,
+                clip_ratio=1e-4, kl_coef=0.0, entropy_coef=0.0, max_grad_norm=100.0, log=lambda m: None,
                 rollout_args=dict(max_turns=2, max_turn_tokens=24, max_obs_tokens=64, top_k=3, temperature=1.0,
                                   top_p=1.0, generator=torch.Generator().manual_seed(0)))
     args.update(kw)
@@ -143,7 +143,7 @@ def test_second_mini_batch_sees_a_moved_policy(agent, tokenizer, search_index):
     policy = copy.deepcopy(agent)
     questions = [{"question": AGENT_QUESTION, "golden_answers": ["Paris"]},
                  {"question": "which lake is near London", "golden_answers": ["Paris"]}]
-    opt = torch.optim.SGD(policy.parameters(), lr=0.05)
+    opt = torch.optim.SGD(policy.parameters(), lr=0.5)
     (m,) = GR.grpo_round(policy, agent, opt, tokenizer, search_index, lambda: questions,
                          **round_args(entropy_coef=0.1))
     first, second = m["updates"]

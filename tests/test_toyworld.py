@@ -110,3 +110,53 @@ def test_backbone_loads_with_transformers(world, tmp_path):
         assert (ours(ids) - ref(ids).logits).abs().max() <= 1e-4
     assert tok.decode(ids[0].tolist()).endswith("<|im_start|>assistant\n")
     assert json.load(open(tmp_path / "bb" / "config.json"))["architectures"] == ["Qwen2ForCausalLM"]
+
+
+# ----------------------------------------------------------------------------------------------
+# the shipped backbone (world seed 0): every user starts from the same weights
+
+def test_shipped_backbone_matches_its_hashes():
+    """Every shipped backbone file has the sha256 recorded in toyagent.SHIPPED_SHA256."""
+    assert set(TA.SHIPPED_SHA256) == set(os.listdir(TA.SHIPPED))
+    for name, want in TA.SHIPPED_SHA256.items():
+        assert TA.file_sha256(os.path.join(TA.SHIPPED, name)) == want, name
+
+
+def test_ensure_copies_the_shipped_backbone(tmp_path):
+    """ensure() on world seed 0 copies the shipped backbone (no build) and stamps it."""
+    _, backbone = TA.ensure(str(tmp_path / "w"), 0, 3)
+    assert sorted(os.listdir(backbone)) == sorted(TA.SHIPPED_SHA256)
+    assert all(TA.file_sha256(os.path.join(backbone, n)) == h for n, h in TA.SHIPPED_SHA256.items())
+
+
+def test_damaged_shipped_file_is_refused(tmp_path, monkeypatch):
+    """A shipped file whose hash does not match is an error naming it; nothing is installed."""
+    monkeypatch.setitem(TA.SHIPPED_SHA256, "model.safetensors", "0" * 64)
+    with pytest.raises(ValueError, match="model.safetensors: sha256"):
+        TA.install_shipped(str(tmp_path / "bb"))
+    assert not (tmp_path / "bb").exists()
+
+
+def test_shipped_backbone_gives_the_readme_start_row(tmp_path):
+    """Greedy test EM of the shipped backbone is the README's starting row (0.379, +-2 questions)."""
+    import eval as EV
+    world, backbone = TA.ensure(str(tmp_path / "w"), 0, 3)
+    model, tok = M.load(backbone)
+    test = TW.read_jsonl(os.path.join(world, "test.jsonl"))
+    res = EV.evaluate(model, tok, R.load_index(os.path.join(world, "index")), test, batch=128, max_turns=4,
+                      max_turn_tokens=80, max_obs_tokens=256, top_k=3)
+    assert abs(EV.summarize(res)["all"]["em"] - 0.379) <= 2 / len(test)
+
+
+@pytest.mark.skipif(not os.environ.get("TOY_REBUILD"), reason="set TOY_REBUILD=1: a 5-minute backbone build")
+def test_rebuild_matches_the_shipped_backbone(tmp_path):
+    """build_backbone on world seed 0 gives greedy test EM within 0.03 of the shipped backbone's."""
+    import eval as EV
+    world, shipped = TA.ensure(str(tmp_path / "w"), 0, 3)
+    TA.build_backbone(world, str(tmp_path / "built"), seed=0, top_k=3)
+    test = TW.read_jsonl(os.path.join(world, "test.jsonl"))
+    index = R.load_index(os.path.join(world, "index"))
+    em = [EV.summarize(EV.evaluate(*M.load(d), index, test, batch=128, max_turns=4, max_turn_tokens=80,
+                                   max_obs_tokens=256, top_k=3))["all"]["em"] for d in (shipped, str(tmp_path / "built"))]
+    print(f"greedy test EM: shipped {em[0]:.3f}, rebuilt {em[1]:.3f}")
+    assert abs(em[0] - em[1]) <= 0.03
