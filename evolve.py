@@ -54,14 +54,14 @@ test_limit = 0                 # evaluate on the first N test questions; 0 = all
 iterations = 2                 # GRPO round + OFSD round pairs
 grpo_steps = 25                # GRPO optimizer steps per round
 questions_per_step = 16        # questions rolled out per GRPO step, over all ranks  (512)
-ppo_mini_batch = 16            # questions per optimizer update: questions_per_step / ppo_mini_batch
+ppo_mini_batch = 8             # questions per optimizer update: questions_per_step / ppo_mini_batch
                                # updates a step, from the second on the clip acts      (256)
 group_size = 5                 # G rollouts per question                      (5)
 micro_batch = 20               # trajectories per forward/backward            (memory-bound)
 lr = 2e-4                      # GRPO AdamW learning rate                     (1e-6)
 warmup_steps = 3               # linear warm-up of the GRPO learning rate
 kl_coef = 0.001                # KL-term coefficient (k3 estimator)           (0.001)
-entropy_coef = 0.0             # entropy bonus: loss -= entropy_coef * token-mean entropy  (0.001)
+entropy_coef = 0.001           # entropy bonus: loss -= entropy_coef * token-mean entropy  (0.001)
 kl_policy = "round"            # the KL term's model: "round" = the policy this GRPO round started
                                # from (after an OFSD merge, so GRPO is not pulled back across the
                                # consolidation); "initial" = the starting model, as the anchor

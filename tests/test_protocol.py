@@ -175,3 +175,33 @@ def test_entropy_is_the_distributions():
         _, ent = GR.token_logprobs(model, ids, valid, mask, 0.7, entropy=True)
         p = torch.softmax(model(ids)[0, :2].double() / 0.7, -1)  # positions 0, 1 predict tokens 1, 2
     assert torch.allclose(ent.double(), -(p * p.log()).sum(-1), atol=1e-5)
+
+
+@pytest.mark.skipif(not REAL, reason="set QWEN_CHECKPOINT to a real Qwen2.5 folder")
+def test_real_checkpoint_runs_the_whole_loop(tmp_path):
+    """The real 0.5B checkpoint through evolve.py: 1 GRPO step (2 questions x 2 samples), an OFSD
+    round, evaluations; the saved checkpoint gives transformers' logits. (The questions and corpus
+    are the toy world's: no registry package with real QA data was found; see the README.)"""
+    transformers = pytest.importorskip("transformers")
+    import subprocess
+    import sys
+
+    import toyagent as TA
+    from test_evolve import ROOT
+    world, _ = TA.ensure(str(tmp_path / "w"), 0, 3, world_only=True)
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "evolve.py", f"--model_dir={REAL}", f"--index_dir={world}/index",
+                        f"--train_file={world}/train.jsonl", f"--test_file={world}/test.jsonl", "--test_limit=2",
+                        "--iterations=1", "--grpo_steps=1", "--questions_per_step=2", "--ppo_mini_batch=2",
+                        "--group_size=2", "--ofsd_questions=2", "--max_turns=2", "--max_turn_tokens=48",
+                        "--max_obs_tokens=96", "--micro_batch=1", "--lr=1e-6", "--lora_epochs=1",
+                        "--ofsd_micro_batch=1", f"--out_dir={out}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    print(p.stdout[-2500:])
+    saved = str(out / "checkpoint" / "model")
+    ours, tok = M.load(saved)
+    ref = transformers.Qwen2ForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
+    ids = torch.tensor([tok.encode(tok.chat_prompt(RO.make_prompt("Who wrote Hamlet?")))])
+    with torch.no_grad():
+        assert (ours(ids) - ref(ids).logits).abs().max().item() <= 1e-3
