@@ -205,3 +205,18 @@ def test_real_checkpoint_runs_the_whole_loop(tmp_path):
     ids = torch.tensor([tok.encode(tok.chat_prompt(RO.make_prompt("Who wrote Hamlet?")))])
     with torch.no_grad():
         assert (ours(ids) - ref(ids).logits).abs().max().item() <= 1e-3
+
+
+@pytest.mark.skipif(not REAL, reason="set QWEN_CHECKPOINT to a real Qwen2.5 folder")
+def test_real_checkpoint_ofsd_lowers_the_pair_kl(search_index):
+    """OFSD's LoRA distillation on the real checkpoint (one sibling pair of its own rollouts, the
+    first as tau_ref): the clipped KL of the pair falls and the adapter merges."""
+    import ofsd as OF
+    model, tok = M.load(REAL)
+    trajs = RO.rollout(model, tok, search_index, ["Who wrote Hamlet?"], 2, max_turns=1, max_turn_tokens=32,
+                       max_obs_tokens=64, top_k=2, temperature=1.0, top_p=1.0,
+                       generator=torch.Generator().manual_seed(0))
+    m = OF.distill(model, tok, [(trajs[0], trajs[1], True)], lora_rank=8, lora_alpha=16, lr=1e-3, epochs=3,
+                   micro_batch=1, tau_clip=0.05, max_grad_norm=1.0, kl_chunk=64, seed=0)
+    print(m)
+    assert m["kl_after"] < m["kl_before"] and not any("lora" in n for n, _ in model.named_parameters())
