@@ -163,9 +163,9 @@ def main():
             grpo.grpo_round(
                 policy, kl_model, optimizer, tokenizer, index, lambda: sample_questions(questions_per_step),
                 steps=grpo_steps, first_step=state["step"], lr=lr, warmup_steps=warmup_steps,
-                group_size=group_size, ppo_updates=questions_per_step // ppo_mini_batch, micro_batch=micro_batch,
-                clip_ratio=clip_ratio, kl_coef=kl_coef, entropy_coef=entropy_coef, max_grad_norm=max_grad_norm,
-                rollout_args=rollout_args,
+                group_size=group_size, ppo_updates=questions_per_step // ppo_mini_batch,
+                micro_batch=micro_batch, clip_ratio=clip_ratio, kl_coef=kl_coef, entropy_coef=entropy_coef,
+                max_grad_norm=max_grad_norm, rollout_args=rollout_args,
                 log=lambda m: record(dict(kind="grpo_step", iteration=it, **m), grpo_line(m, it)))
             state["step"] += grpo_steps
         elif kind == "ofsd":
@@ -174,7 +174,8 @@ def main():
                 rollout_args=rollout_args, lora_rank=lora_rank, lora_alpha=lora_alpha, lr=lora_lr,
                 epochs=lora_epochs, micro_batch=ofsd_micro_batch, tau_clip=tau_clip,
                 max_grad_norm=max_grad_norm, kl_chunk=kl_chunk, seed=seed * 7919 + r,
-                log=lambda epoch, n, loss: record(None, f"ofsd | it {it} | epoch {epoch} | step {n:4d} | loss {loss:.5f}"))
+                log=lambda epoch, n, loss: record(
+                    None, f"ofsd | it {it} | epoch {epoch} | step {n:4d} | loss {loss:.5f}"))
             row.update({k: m.get(k) for k in ("pairs", "incorrect_students", "kl_before", "kl_after")})
             record(dict(kind="ofsd_round", **row, losses=m["losses"]), ofsd_line(row, m))
         row["ranks_identical"] = ranks_identical(policy)
