@@ -108,6 +108,7 @@ def main():
     if min(ppo_mini_batch, ofsd_questions) < world_size:
         raise SystemExit(f"--ppo_mini_batch={ppo_mini_batch} and --ofsd_questions={ofsd_questions} must be "
                          f"at least the number of ranks ({world_size}): every rank needs questions")
+    CK.barrier()  # every rank has checked before any rank writes
 
     # -----------------------------------------------------------------------------------------
     # setup: data, the policy and the KL term's model, optimizer, random state (or a checkpoint)
