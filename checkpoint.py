@@ -31,6 +31,8 @@ def barrier():
 
 RUN_MARKER = "evolve-run.json"  # written first into a fresh out_dir: the directory holds a run of ours
 RUN_FILES = (RUN_MARKER, "checkpoint", "checkpoint.tmp", "checkpoint.old", "metrics.jsonl", "results.md")
+
+
 def check_run_dir(out_dir, overwrite):
     """A fresh run needs an out_dir that is new, empty, or (with --overwrite=true) an earlier run's."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):

@@ -13,9 +13,9 @@
 
 The method, and where this code departs from Search-R1 and why, is METHOD.md. With no arguments
 it trains on the built-in toy world (toyworld.py; written on first use, with the backbone that
-toyagent.py ships for world seed 0) and prints a results table. Any constant below can be overridden as --key=value; `--resume`
-continues a killed run from its last checkpoint. Real-scale settings (the anchor's values) are
-in the comments and in the README.
+toyagent.py ships for world seed 0) and prints a results table. Any constant below can be
+overridden as --key=value; `--resume` continues a killed run from its last checkpoint.
+Real-scale settings (the anchor's values) are in the comments and in the README.
 
     python evolve.py                                   # the toy world, CPU, minutes
     python evolve.py --ofsd=False --out_dir=runs/grpo  # the GRPO-only ablation
@@ -315,6 +315,7 @@ def results_table(results):
                      f"{s['all']['em']:.3f} | " + " | ".join(f"{s[t]['em']:.3f}" for t in types) +
                      f" | {s['all']['searches']:.2f} | {s['all']['format']:.2f} |")
     return "\n".join(lines)
+
 
 if __name__ == "__main__":
     main()

@@ -357,6 +357,7 @@ def fused_linear_clipped_kl(h_student, h_teacher, weight, tau_clip, row_weight=N
         row_weight = torch.full((N,), 1.0 / N, device=h_student.device)
     return FusedLinearClippedKL.apply(h_student, h_teacher.detach(), weight.detach(), row_weight, tau_clip, chunk)
 
+
 if __name__ == "__main__":
     torch.manual_seed(0)
     s, t = torch.randn(37, 3001, requires_grad=True), torch.randn(37, 3001)

@@ -115,8 +115,9 @@ def build_index(corpus_path, index_dir, k1=0.9, b=0.4, chunk_docs=CHUNK_DOCS):
     tmp, old = index_dir + ".tmp", index_dir + ".old"
     for path in (index_dir, tmp, old):
         if not _ours(path):
-            raise ValueError(f"{path}: exists and is not an index folder ({sorted(os.listdir(path))[:4] if os.path.isdir(path) else 'a file'}); "
-                             "nothing was changed: choose another output folder")
+            what = sorted(os.listdir(path))[:4] if os.path.isdir(path) else "a file"
+            raise ValueError(f"{path}: exists and is not an index folder ({what}); nothing was changed: "
+                             "choose another output folder")
     if not os.path.isfile(corpus_path):
         raise FileNotFoundError(f"{corpus_path}: corpus file not found")
     shutil.rmtree(tmp, ignore_errors=True)
