@@ -177,7 +177,7 @@ def main():
                 max_grad_norm=max_grad_norm, kl_chunk=kl_chunk, seed=seed * 7919 + r,
                 log=lambda epoch, n, loss: record(
                     None, f"ofsd | it {it} | epoch {epoch} | step {n:4d} | loss {loss:.5f}"))
-            row.update({k: m.get(k) for k in ("pairs", "incorrect_students", "kl_before", "kl_after")})
+            row.update({k: v for k, v in m.items() if k != "losses"})  # counts, KL, diagnostics
             record(dict(kind="ofsd_round", **row, losses=m["losses"]), ofsd_line(row, m))
         row["ranks_identical"] = ranks_identical(policy)
         if master:
@@ -292,8 +292,12 @@ def grpo_line(m, it):
 
 
 def ofsd_line(row, m):
-    return (f"ofsd | it {row['iteration']} | pairs {m['pairs']} ({m['incorrect_students']} with an incorrect "
+    line = (f"ofsd | it {row['iteration']} | pairs {m['pairs']} ({m['incorrect_students']} with an incorrect "
             f"student) | KL {m.get('kl_before', 0):.5f} -> {m.get('kl_after', 0):.5f}")
+    if "teacher_em" in m:  # the diagnostics: headroom (teacher vs student view) and effect on its questions
+        line += (f" | teacher EM {m['teacher_em']:.3f} student EM {m['student_em']:.3f} | disagree "
+                 f"{m['disagree']:.3f} | mined EM {m['mined_em_before']:.3f} -> {m['mined_em_after']:.3f}")
+    return line
 
 
 def eval_line(row, distributed):

@@ -20,6 +20,11 @@ An OFSD round (METHOD.md, "OFSD") consolidates what the GRPO round found:
      L = 1/|R_tau| sum_{p in R_tau} sum_v min(Pt_p(v) log(Pt_p(v) / Ps_p(v)), tau_clip)
    (a token-level forward KL(teacher || student), each (position, vocabulary) term clipped from
    above); then merge the adapter into the base weights: the next GRPO round's policy.
+   Each round also measures itself (`mined_diagnostics`, in its metrics): greedy EM on the mined
+   questions from the teacher view and from the student view (the headroom there is to distil),
+   the share of loss positions where the teacher's most likely token differs from the student's
+   sampled one, the clipped KL by segment (think / search / answer), and greedy EM on the mined
+   questions before and after the round, split by whether the student was incorrect.
 4. The loss, below the method in its own part: `clipped_forward_kl_spec` (plain PyTorch, the
    readable spec), a chunked PyTorch path and a Triton kernel (CUDA) that compute the loss and
    its analytic gradient together, and `fused_linear_clipped_kl`, which starts from hidden
@@ -40,7 +45,7 @@ import torch.nn.functional as F
 
 import lora
 import model as M
-from rollout import em_rewards, make_prompt, rollout
+from rollout import em_rewards, exact_match, make_prompt, rollout
 
 try:
     import triton
@@ -126,18 +131,91 @@ def ofsd_round(policy, tokenizer, index, questions, *, group_size, rollout_args,
     question (all ranks' pairs, when distributed), then `distill`. Returns its metrics."""
     with torch.no_grad():
         trajs = rollout(policy, tokenizer, index, [q["question"] for q in questions], group_size, **rollout_args)
-    pairs = mine_pairs(trajs, em_rewards(trajs, questions, group_size), group_size)
+    golds = {q["question"]: q["golden_answers"] for q in questions}
+    mined = [(ref, stu, wrong, golds[stu.question])
+             for ref, stu, wrong in mine_pairs(trajs, em_rewards(trajs, questions, group_size), group_size)]
     if dist.is_initialized():  # every rank distills all ranks' pairs (the round is cheap)
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, pairs)
-        pairs = [p for ps in gathered for p in ps]
+        dist.all_gather_object(gathered, mined)
+        mined = [p for ps in gathered for p in ps]
+    pairs = [(ref, stu, wrong) for ref, stu, wrong, _ in mined]
+    before = mined_diagnostics(policy, tokenizer, index, mined, rollout_args, tau_clip, kl_chunk) if mined else {}
     metrics = distill(policy, tokenizer, pairs, lora_rank=lora_rank, lora_alpha=lora_alpha, lr=lr,
                       epochs=epochs, micro_batch=micro_batch, tau_clip=tau_clip, max_grad_norm=max_grad_norm,
                       kl_chunk=kl_chunk, seed=seed, log=log)
     if dist.is_initialized():  # guard against non-deterministic kernels: rank 0's weights for all
         for p in policy.parameters():
             dist.broadcast(p.data, 0)
+    if mined:  # the round's effect on its own questions, by whether the student was incorrect
+        after = greedy_em(policy, tokenizer, index, mined, rollout_args)
+        metrics.update(before, **split_em("mined_em_after", after, mined))
     return metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# diagnostics: what a round can teach (the teacher's advantage), and what it taught
+
+SEGMENTS = ("think", "search", "answer")
+
+
+def greedy_em(policy, tokenizer, index, mined, rollout_args, teacher_view=False):
+    """Greedy EM on the mined questions from the student view, or the teacher view (tau_ref shown)."""
+    contexts = [PRIVILEGED.format(tau_ref=tokenizer.decode(ref.tokens[ref.prompt_len:])) for ref, *_ in mined]
+    greedy = dict(rollout_args, temperature=0.0, top_p=1.0, generator=None)
+    with torch.no_grad():
+        trajs = rollout(policy, tokenizer, index, [stu.question for _, stu, _, _ in mined], 1,
+                        contexts=contexts if teacher_view else None, **greedy)
+    return [exact_match(t.answer, gold) for t, (*_, gold) in zip(trajs, mined)]
+
+
+def split_em(name, em, mined):
+    """Mean EM overall and over the pairs whose student was incorrect / correct (None when none)."""
+    def mean(xs):
+        return sum(xs) / len(xs) if xs else None
+    return {name: mean(em), name + "_incorrect": mean([e for e, m in zip(em, mined) if m[2]]),
+            name + "_correct": mean([e for e, m in zip(em, mined) if not m[2]])}
+
+
+def segment_of(text):
+    """The tag a token sits in, given the text before it: think, search, answer, or other."""
+    opened = {tag: text.rfind(f"<{tag}>") for tag in SEGMENTS}
+    inside = [(i, tag) for tag, i in opened.items() if i >= 0 and text.find(f"</{tag}>", i) < 0]
+    return max(inside)[1] if inside else "other"
+
+
+@torch.no_grad()
+def token_diagnostics(model, tokenizer, mined, tau_clip, chunk):
+    """Over the loss positions of every pair: the share where the teacher's most likely token is
+    not the token the student sampled, and the mean clipped KL of a position in each segment."""
+    differ, n, kl = 0, 0, {s: [] for s in SEGMENTS + ("other",)}
+    for ref, stu, *_ in mined:
+        s_ids, t_ids, s_pos, t_pos = pair_sequences(tokenizer, ref, stu)
+        if not s_pos:
+            continue
+        h_s, h_t = _gather_hidden(model, [s_ids], [s_pos]), _gather_hidden(model, [t_ids], [t_pos])  # (n, d)
+        for c in range(0, len(s_pos), chunk):
+            log_ps = torch.log_softmax(F.linear(h_s[c:c + chunk], model.lm_head_weight).float(), -1)  # (C, V)
+            log_pt = torch.log_softmax(F.linear(h_t[c:c + chunk], model.lm_head_weight).float(), -1)
+            terms = (log_pt.exp() * (log_pt - log_ps)).clamp(max=tau_clip).sum(-1)  # (C,)
+            sampled = torch.tensor([s_ids[p] for p in s_pos[c:c + chunk]], device=log_pt.device)
+            differ += (log_pt.argmax(-1) != sampled).sum().item()
+            n += len(sampled)
+            for p, term in zip(s_pos[c:c + chunk], terms.tolist()):
+                kl[segment_of(tokenizer.decode(s_ids[stu.prompt_len:p]))].append(term)
+    out = {"disagree": differ / n if n else None}
+    out.update({f"kl_{s}": sum(v) / len(v) if v else None for s, v in kl.items()})
+    return out
+
+
+def mined_diagnostics(policy, tokenizer, index, mined, rollout_args, tau_clip, chunk):
+    """Before the round: greedy EM from the teacher and the student views (the headroom to distil),
+    the teacher/student disagreement and clipped KL by segment."""
+    student = greedy_em(policy, tokenizer, index, mined, rollout_args)
+    teacher = greedy_em(policy, tokenizer, index, mined, rollout_args, teacher_view=True)
+    out = dict(teacher_em=sum(teacher) / len(teacher), student_em=sum(student) / len(student))
+    out.update(split_em("mined_em_before", student, mined))
+    out.update(token_diagnostics(policy, tokenizer, mined, tau_clip, chunk))
+    return out
 
 
 def distill(model, tokenizer, pairs, *, lora_rank, lora_alpha, lr, epochs, micro_batch, tau_clip,

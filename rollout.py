@@ -142,10 +142,12 @@ class Trajectory:
 
 @torch.no_grad()
 def rollout(model, tokenizer, retriever, questions, group_size, *, max_turns, max_turn_tokens,
-            max_obs_tokens, top_k, temperature, top_p, generator):
-    """Run len(questions) x group_size trajectories; returns them question-major (q0 g0, q0 g1, ...)."""
+            max_obs_tokens, top_k, temperature, top_p, generator, contexts=None):
+    """Run len(questions) x group_size trajectories; returns them question-major (q0 g0, q0 g1, ...).
+    `contexts`: text appended to each question's user message (OFSD's teacher view puts tau_ref there)."""
     G = group_size
-    prompts = [tokenizer.encode(tokenizer.chat_prompt(make_prompt(q))) for q in questions]
+    contexts = contexts or [""] * len(questions)
+    prompts = [tokenizer.encode(tokenizer.chat_prompt(make_prompt(q) + c)) for q, c in zip(questions, contexts)]
     trajs = [Trajectory(q, len(p)) for q, p in zip(questions, prompts) for _ in range(G)]
     for t, p in zip(trajs, (p for p in prompts for _ in range(G))):
         t.add(p, sampled=False)

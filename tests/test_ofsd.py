@@ -129,3 +129,48 @@ def test_round_lowers_kl_and_merges(agent, tokenizer, search_index):
     assert out["kl_after"] < out["kl_before"]
     assert (seen["merged"] - seen["adapted"]).abs().max() <= 1e-4  # float32, 400+ positions
     assert not lora._wrapped(model) and all(p.requires_grad for p in model.parameters())
+
+
+def test_segment_of_the_open_tag():
+    """A position's segment is the tag still open in the text before it."""
+    assert ofsd.segment_of("<think> a") == "think"
+    assert ofsd.segment_of("<think> a </think>\n<search> b") == "search"
+    assert ofsd.segment_of("<think> a </think>\n") == "other"
+    assert ofsd.segment_of("<search> b </search>\n\n<information>x</information><think> c </think><answer> d") == "answer"
+
+
+def test_token_diagnostics_equal_a_full_forward(agent, tokenizer, search_index):
+    """disagree and the per-segment clipped KL equal those computed from full teacher/student logits."""
+    trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION], G=2, temperature=1.3,
+                generator=torch.Generator().manual_seed(3))
+    mined = [(trajs[0], trajs[1], True, ["Paris"])]
+    got = ofsd.token_diagnostics(agent, tokenizer, mined, 0.05, chunk=7)
+    s_ids, t_ids, s_pos, t_pos = ofsd.pair_sequences(tokenizer, trajs[0], trajs[1])
+    with torch.no_grad():
+        ls = torch.log_softmax(agent(torch.tensor([s_ids]))[0].double(), -1)[[p - 1 for p in s_pos]]  # (n, V)
+        lt = torch.log_softmax(agent(torch.tensor([t_ids]))[0].double(), -1)[[p - 1 for p in t_pos]]
+    terms = (lt.exp() * (lt - ls)).clamp(max=0.05).sum(-1)
+    differ = (lt.argmax(-1) != torch.tensor([s_ids[p] for p in s_pos])).double().mean().item()
+    assert abs(got["disagree"] - differ) <= 1e-9
+    seg = [ofsd.segment_of(tokenizer.decode(s_ids[trajs[1].prompt_len:p])) for p in s_pos]
+    for name in ("think", "search", "answer", "other"):
+        vals = [t for t, s in zip(terms.tolist(), seg) if s == name]
+        assert (got[f"kl_{name}"] is None) == (not vals)
+        if vals:
+            assert abs(got[f"kl_{name}"] - sum(vals) / len(vals)) <= 1e-5
+
+
+def test_round_reports_its_diagnostics(agent, tokenizer, search_index):
+    """An OFSD round reports teacher/student EM, disagreement and EM on its own questions before/after."""
+    model = copy.deepcopy(agent)
+    questions = [{"question": AGENT_QUESTION, "golden_answers": ["Paris"]},
+                 {"question": "which lake is near London", "golden_answers": ["Paris"]}]
+    m = ofsd.ofsd_round(model, tokenizer, search_index, questions, group_size=4, lora_rank=4, lora_alpha=8,
+                        lr=1e-3, epochs=1, micro_batch=2, tau_clip=0.05, max_grad_norm=1.0, kl_chunk=64, seed=0,
+                        log=None, rollout_args=dict(max_turns=2, max_turn_tokens=40, max_obs_tokens=400, top_k=3,
+                                                    temperature=1.0, top_p=1.0,
+                                                    generator=torch.Generator().manual_seed(0)))
+    assert m["pairs"] >= 1
+    for key in ("teacher_em", "student_em", "mined_em_before", "mined_em_after", "disagree"):
+        assert 0.0 <= m[key] <= 1.0, key
+    assert m["student_em"] == m["mined_em_before"]
