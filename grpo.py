@@ -129,7 +129,7 @@ def grpo_round(policy, kl_model, optimizer, tokenizer, index, next_questions, *,
     rate warms up linearly over the run's first `warmup_steps` steps (`first_step` = steps before
     this round). `log(metrics)` is called after every step; returns the list of step metrics,
     each with its updates' own metrics under "updates"."""
-    history = []
+    history, device = [], policy.model.embed_tokens.weight.device
     policy.train()
     for s in range(steps):
         t0 = time.time()
@@ -157,7 +157,6 @@ def grpo_round(policy, kl_model, optimizer, tokenizer, index, next_questions, *,
         m["tokens"] = sum(x["tokens"] for x in updates)
         if ppo_updates > 1:
             m["updates"] = updates
-        device = policy.model.embed_tokens.weight.device
         stats = torch.tensor([sum(rewards), sum(t.n_search for t in trajs), len(trajs)], device=device)
         if dist.is_initialized():
             dist.all_reduce(stats)

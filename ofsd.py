@@ -99,11 +99,15 @@ def mine_pairs(trajs, rewards, group_size):
 # ----------------------------------------------------------------------------------------------
 # 2. conditioning
 
+def privileged(tokenizer, ref):
+    """The teacher view's addition to the user message: tau_ref's response as a worked solution."""
+    return PRIVILEGED.format(tau_ref=tokenizer.decode(ref.tokens[ref.prompt_len:]))
+
+
 def pair_sequences(tokenizer, ref, stu):
     """Student and teacher token ids plus the aligned loss positions (predicted token indices)."""
     response = stu.tokens[stu.prompt_len:]
-    ref_text = tokenizer.decode(ref.tokens[ref.prompt_len:])
-    teacher_prompt = tokenizer.encode(tokenizer.chat_prompt(make_prompt(stu.question) + PRIVILEGED.format(tau_ref=ref_text)))
+    teacher_prompt = tokenizer.encode(tokenizer.chat_prompt(make_prompt(stu.question) + privileged(tokenizer, ref)))
     pos = [p for p in range(stu.prompt_len, len(stu.tokens)) if stu.loss_mask[p]]
     shift = len(teacher_prompt) - stu.prompt_len
     return stu.tokens, teacher_prompt + response, pos, [p + shift for p in pos]
@@ -160,11 +164,11 @@ SEGMENTS = ("think", "search", "answer")
 
 def greedy_em(policy, tokenizer, index, mined, rollout_args, teacher_view=False):
     """Greedy EM on the mined questions from the student view, or the teacher view (tau_ref shown)."""
-    contexts = [PRIVILEGED.format(tau_ref=tokenizer.decode(ref.tokens[ref.prompt_len:])) for ref, *_ in mined]
+    contexts = [privileged(tokenizer, ref) for ref, *_ in mined] if teacher_view else None
     greedy = dict(rollout_args, temperature=0.0, top_p=1.0, generator=None)
     with torch.no_grad():
         trajs = rollout(policy, tokenizer, index, [stu.question for _, stu, _, _ in mined], 1,
-                        contexts=contexts if teacher_view else None, **greedy)
+                        contexts=contexts, **greedy)
     return [exact_match(t.answer, gold) for t, (*_, gold) in zip(trajs, mined)]
 
 
