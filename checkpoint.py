@@ -30,7 +30,8 @@ def barrier():
 
 
 RUN_MARKER = "evolve-run.json"  # written first into a fresh out_dir: the directory holds a run of ours
-RUN_FILES = (RUN_MARKER, "checkpoint", "checkpoint.tmp", "checkpoint.old", "metrics.jsonl", "results.md")
+RUN_FILES = (RUN_MARKER, "checkpoint", "checkpoint.tmp", "checkpoint.old", "metrics.jsonl", "results.md",
+             "results.md.tmp", "curves.svg", "curves.svg.tmp")
 
 
 def check_run_dir(out_dir, overwrite):

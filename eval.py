@@ -51,6 +51,70 @@ def summarize(results, key=None):
                     format=sum(r["formatted"] for r in rs) / len(rs)) for g, rs in groups.items() if rs}
 
 
+COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf")
+
+
+def curves_svg(series):
+    """Learning curves as an SVG string, written by hand: test EM and searches per question at
+    each evaluation, one colour per variant, the mean over its runs as a line and the lowest and
+    highest run as a band. series = {variant: [one run's evaluation rows, ...]}; a row has
+    `after` ("start", "grpo", "ofsd"), `iteration` and `summary` (as evolve.py records them).
+    x = the row's place in the schedule start, GRPO 1, OFSD 1, GRPO 2, ... (GRPO-only runs skip
+    the OFSD places, so rounds at equal GRPO steps line up)."""
+    def place(row):
+        return 0 if row["after"] == "start" else 1 + 2 * row["iteration"] + (row["after"] == "ofsd")
+    points = {}  # variant -> [(x, [EM over runs], [searches over runs])], by x
+    for name, runs in series.items():
+        by_x = {}
+        for rows in runs:
+            for row in rows:
+                em, se = by_x.setdefault(place(row), ([], []))
+                em.append(row["summary"]["all"]["em"])
+                se.append(row["summary"]["all"]["searches"])
+        points[name] = sorted((x, em, se) for x, (em, se) in by_x.items())
+    n_x = 1 + max(x for pts in points.values() for x, _, _ in pts)
+    w, h, left, top, gap = 420, 240, 48, 28, 70  # one panel's plot area, margins
+
+    def xs(x):
+        return left + w * x / max(n_x - 1, 1)
+
+    def fmt(ps):
+        return " ".join(f"{a:.1f},{b:.1f}" for a, b in ps)
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * (left + w) + gap}" height="{top + h + 60 + 18 * len(series)}" '
+           'font-family="sans-serif" font-size="12">', '<rect width="100%" height="100%" fill="white"/>']
+    for panel, (title, k) in enumerate((("test exact match", 1), ("searches per question", 2))):
+        x0 = panel * (left + w + gap)
+        vals = [v for pts in points.values() for p in pts for v in p[k]]
+        lo, hi = (0.0, max(1.0, max(vals))) if k == 1 else (0.0, max(vals) * 1.1 or 1.0)
+
+        def ys(v, lo=lo, hi=hi):
+            return top + h - h * (v - lo) / (hi - lo)
+        out.append(f'<text x="{x0 + left + w / 2}" y="16" text-anchor="middle" font-weight="bold">{title}</text>')
+        out.append(f'<rect x="{x0 + left}" y="{top}" width="{w}" height="{h}" fill="none" stroke="#888"/>')
+        for i in range(5):  # y grid with labels
+            v = lo + (hi - lo) * i / 4
+            out.append(f'<line x1="{x0 + left}" x2="{x0 + left + w}" y1="{ys(v):.1f}" y2="{ys(v):.1f}" stroke="#eee"/>'
+                       f'<text x="{x0 + left - 4}" y="{ys(v) + 4:.1f}" text-anchor="end">{v:.2f}</text>')
+        for x in range(n_x):  # x labels: the schedule
+            label = "start" if x == 0 else f"{'GRPO' if x % 2 else 'OFSD'} {(x + 1) // 2}"
+            out.append(f'<text x="{x0 + xs(x):.1f}" y="{top + h + 16}" text-anchor="middle">{label}</text>')
+        for c, (name, pts) in enumerate(points.items()):
+            col = COLORS[c % len(COLORS)]
+            upper = [(x0 + xs(p[0]), ys(max(p[k]))) for p in pts]
+            lower = [(x0 + xs(p[0]), ys(min(p[k]))) for p in reversed(pts)]
+            mean = [(x0 + xs(p[0]), ys(sum(p[k]) / len(p[k]))) for p in pts]
+            out.append(f'<polygon points="{fmt(upper + lower)}" fill="{col}" fill-opacity="0.15" stroke="none"/>')
+            out.append(f'<polyline points="{fmt(mean)}" fill="none" stroke="{col}" stroke-width="2"/>')
+            out += [f'<circle cx="{a:.1f}" cy="{b:.1f}" r="3" fill="{col}"/>' for a, b in mean]
+    for c, (name, runs) in enumerate(series.items()):  # legend
+        y = top + h + 40 + 18 * c
+        out.append(f'<rect x="{left}" y="{y - 9}" width="14" height="10" fill="{COLORS[c % len(COLORS)]}"/>'
+                   f'<text x="{left + 20}" y="{y}">{name}: {len(runs)} run{"s" * (len(runs) > 1)} (line: mean; '
+                   'band: lowest to highest run)</text>')
+    return "\n".join(out + ["</svg>"]) + "\n"
+
+
 def read_questions(path, limit=0):
     """FlashRAG JSON lines with `question` (text) and `golden_answers` (a non-empty list of text);
     any other line, or a file without questions, is an error that names the file (and line)."""

@@ -75,6 +75,8 @@ max_obs_tokens = 256           # observation cap                              (5
 top_k = 3                      # documents per search                         (3)
 ofsd = True                    # False: the GRPO-only ablation (same GRPO steps, no OFSD rounds)
 ofsd_questions = 64            # questions rolled out to mine pairs per OFSD round
+ofsd_students = "any"          # "any": the paper's rule (an incorrect sibling, else a correct one);
+                               # "incorrect": only groups with an incorrect sibling give a pair
 lora_rank = 16                 # LoRA rank
 lora_alpha = 32                # LoRA alpha
 lora_lr = 2e-4                 # LoRA AdamW learning rate
@@ -172,7 +174,7 @@ def main():
         elif kind == "ofsd":
             m = OF.ofsd_round(
                 policy, tokenizer, index, sample_questions(ofsd_questions), group_size=group_size,
-                rollout_args=rollout_args, lora_rank=lora_rank, lora_alpha=lora_alpha, lr=lora_lr,
+                rollout_args=rollout_args, students=ofsd_students, lora_rank=lora_rank, lora_alpha=lora_alpha, lr=lora_lr,
                 epochs=lora_epochs, micro_batch=ofsd_micro_batch, tau_clip=tau_clip,
                 max_grad_norm=max_grad_norm, kl_chunk=kl_chunk, seed=seed * 7919 + r,
                 log=lambda epoch, n, loss: record(
@@ -187,15 +189,14 @@ def main():
             row.update(summary=summary, grpo_steps=state["step"], seconds=time.time() - t0)
             state["results"].append(row)
             record(dict(kind="eval", **row), eval_line(row, world_size > 1))
+            write_file(os.path.join(out_dir, "curves.svg"), EV.curves_svg({out_dir: [state["results"]]}))
         state["done"] = r + 1
         CK.save_checkpoint(ckpt_dir, policy, tokenizer, optimizer, rng, gen, dict(state, config=config), rank)
 
     if master:
         table = results_table(state["results"])
         print("\n" + table)
-        with open(os.path.join(out_dir, "results.md.tmp"), "w") as f:
-            f.write(table + "\n")
-        os.replace(os.path.join(out_dir, "results.md.tmp"), os.path.join(out_dir, "results.md"))
+        write_file(os.path.join(out_dir, "results.md"), table + "\n")
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -228,7 +229,7 @@ POSITIVE = ("grpo_steps", "questions_per_step", "ppo_mini_batch", "micro_batch",
             "eval_batch", "kl_chunk", "lr", "lora_lr", "lora_alpha", "clip_ratio", "max_grad_norm",
             "temperature", "tau_clip")
 NOT_NEGATIVE = ("iterations", "max_turns", "test_limit", "kl_coef", "entropy_coef", "seed", "world_seed")
-CHOICES = dict(kl_policy=("round", "initial"), dtype=("auto", "float32", "bfloat16", "float16"))
+CHOICES = dict(kl_policy=("round", "initial"), ofsd_students=("any", "incorrect"), dtype=("auto", "float32", "bfloat16", "float16"))
 RESUME_MAY_CHANGE = ("resume", "overwrite", "out_dir", "world_dir", "iterations", "eval_batch", "micro_batch",
                      "kl_chunk")  # paths, the run's length, and batch sizes that change float sums only
 
@@ -306,6 +307,13 @@ def eval_line(row, distributed):
             f"EM {s['all']['em']:.3f} | " + " | ".join(f"{k} {v['em']:.3f}" for k, v in s.items() if k != "all") +
             f" | searches {s['all']['searches']:.2f} | format {s['all']['format']:.2f}" +
             (f" | ranks identical {row['ranks_identical']}" if distributed else ""))
+
+
+def write_file(path, text):
+    """Write through a temporary name, then rename: a reader never sees half a file."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
 
 
 def results_table(results):

@@ -129,15 +129,17 @@ def _gather_hidden(model, seqs, positions):
 # ----------------------------------------------------------------------------------------------
 # 3. the round
 
-def ofsd_round(policy, tokenizer, index, questions, *, group_size, rollout_args, lora_rank, lora_alpha,
+def ofsd_round(policy, tokenizer, index, questions, *, group_size, rollout_args, students, lora_rank, lora_alpha,
                lr, epochs, micro_batch, tau_clip, max_grad_norm, kl_chunk, seed, log):
     """One OFSD round: G rollouts of the current policy per question, EM rewards, one mined pair per
-    question (all ranks' pairs, when distributed), then `distill`. Returns its metrics."""
+    question (all ranks' pairs, when distributed), then `distill`. students="incorrect" keeps only
+    the pairs whose student is incorrect ("any": the paper's rule). Returns its metrics."""
     with torch.no_grad():
         trajs = rollout(policy, tokenizer, index, [q["question"] for q in questions], group_size, **rollout_args)
     golds = {q["question"]: q["golden_answers"] for q in questions}
     mined = [(ref, stu, wrong, golds[stu.question])
-             for ref, stu, wrong in mine_pairs(trajs, em_rewards(trajs, questions, group_size), group_size)]
+             for ref, stu, wrong in mine_pairs(trajs, em_rewards(trajs, questions, group_size), group_size)
+             if wrong or students == "any"]
     if dist.is_initialized():  # every rank distills all ranks' pairs (the round is cheap)
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mined)

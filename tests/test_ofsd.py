@@ -165,8 +165,8 @@ def test_round_reports_its_diagnostics(agent, tokenizer, search_index):
     model = copy.deepcopy(agent)
     questions = [{"question": AGENT_QUESTION, "golden_answers": ["Paris"]},
                  {"question": "which lake is near London", "golden_answers": ["Paris"]}]
-    m = ofsd.ofsd_round(model, tokenizer, search_index, questions, group_size=4, lora_rank=4, lora_alpha=8,
-                        lr=1e-3, epochs=1, micro_batch=2, tau_clip=0.05, max_grad_norm=1.0, kl_chunk=64, seed=0,
+    m = ofsd.ofsd_round(model, tokenizer, search_index, questions, group_size=4, students="any", lora_rank=4,
+                        lora_alpha=8, lr=1e-3, epochs=1, micro_batch=2, tau_clip=0.05, max_grad_norm=1.0, kl_chunk=64, seed=0,
                         log=None, rollout_args=dict(max_turns=2, max_turn_tokens=40, max_obs_tokens=400, top_k=3,
                                                     temperature=1.0, top_p=1.0,
                                                     generator=torch.Generator().manual_seed(0)))
@@ -174,3 +174,21 @@ def test_round_reports_its_diagnostics(agent, tokenizer, search_index):
     for key in ("teacher_em", "student_em", "mined_em_before", "mined_em_after", "disagree"):
         assert 0.0 <= m[key] <= 1.0, key
     assert m["student_em"] == m["mined_em_before"]
+
+
+def test_round_with_incorrect_students_only(agent, tokenizer, search_index):
+    """students="incorrect" distils only pairs whose student sibling is incorrect."""
+    model = copy.deepcopy(agent)
+    questions = [{"question": AGENT_QUESTION, "golden_answers": ["Paris"]},
+                 {"question": "which lake is near London", "golden_answers": ["Paris"]}] * 2
+    args = dict(group_size=4, lora_rank=4, lora_alpha=8, lr=1e-3, epochs=1, micro_batch=2, tau_clip=0.05,
+                max_grad_norm=1.0, kl_chunk=64, seed=0, log=None)
+    counts = {}
+    for students in ("any", "incorrect"):
+        m = ofsd.ofsd_round(copy.deepcopy(model), tokenizer, search_index, questions, students=students,
+                            rollout_args=dict(max_turns=2, max_turn_tokens=40, max_obs_tokens=400, top_k=3,
+                                              temperature=0.5, top_p=1.0, generator=torch.Generator().manual_seed(1)),
+                            **args)
+        counts[students] = (m["pairs"], m["incorrect_students"])
+    assert counts["incorrect"] == (counts["any"][1], counts["any"][1])
+    assert counts["any"][0] > counts["any"][1]  # the fixture mines correct students too
