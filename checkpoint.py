@@ -5,11 +5,14 @@ first, and only refuses or (with --overwrite=true) replaces an earlier run's own
 (RUN_FILES); a directory without the marker that is not empty is never touched. A checkpoint
 is written as checkpoint.tmp, then swapped in by two renames (checkpoint -> checkpoint.old,
 checkpoint.tmp -> checkpoint), so a kill at any instant leaves a whole checkpoint or
-checkpoint.old; `load_checkpoint` takes whichever is there. It holds the model (Hugging Face
-format), the optimizer, state.json (loop position, results, configuration, Python RNG) and one
-RNG file per rank, so a resumed run continues exactly where the killed one stopped.
+checkpoint.old; `recover` takes whichever is there. It holds the model (Hugging Face format,
+gathered on rank 0 when sharded), the optimizer (optimizer.pt, or when sharded an optimizer/
+folder of torch.distributed.checkpoint with each rank's slices), state.json (loop position,
+results, configuration, Python RNG) and one RNG file per rank, so a resumed run continues exactly
+where the killed one stopped (on the same number of ranks).
 
-Left out: sharded (per-rank) model checkpoints, keeping more than the last checkpoint.
+Left out: sharded model files (a 7B model is gathered on rank 0: 30 GB of host memory),
+keeping more than the last checkpoint.
 """
 
 import json
@@ -20,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import fsdp as FS
 import model as M
 
 
@@ -96,18 +100,21 @@ def keep_first_lines(path, n):
 
 
 def save_checkpoint(ckpt_dir, policy, tokenizer, optimizer, rng, gen, state, rank):
-    """Write checkpoint.tmp (model, optimizer, state.json on rank 0; each rank's RNG state), then
-    swap it in with two renames. A kill at any instant leaves checkpoint or checkpoint.old whole."""
+    """Write checkpoint.tmp (the model in Hugging Face format and state.json from rank 0; the
+    optimizer, per rank when sharded; each rank's RNG state), then swap it in with two renames.
+    A kill at any instant leaves checkpoint or checkpoint.old whole. Every rank must call it."""
     tmp = ckpt_dir + ".tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        M.save(policy, tokenizer, os.path.join(tmp, "model"))
-        torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+    barrier()
+    weights = FS.full_state_dict(policy)  # gathered on rank 0 when sharded
+    if rank == 0:
+        M.save(policy, tokenizer, os.path.join(tmp, "model"), weights)
         py = rng.getstate()
         with open(os.path.join(tmp, "state.json"), "w") as f:
             json.dump(dict(state, py_rng=[py[0], list(py[1]), py[2]]), f)
-    barrier()  # every rank saves its own RNG state into the same new checkpoint
+    FS.save_optimizer(policy, optimizer, os.path.join(tmp, "optimizer"))
     torch.save(dict(gen=gen.get_state(), torch=torch.get_rng_state()), os.path.join(tmp, f"rng{rank}.pt"))
     barrier()
     if rank == 0:
@@ -118,20 +125,23 @@ def save_checkpoint(ckpt_dir, policy, tokenizer, optimizer, rng, gen, state, ran
     barrier()
 
 
-def load_checkpoint(ckpt_dir, rank, rng, gen, dev, dt, lr):
-    """The policy, tokenizer, optimizer and state of the last checkpoint; restores rng and gen."""
+def recover(ckpt_dir, rank):
+    """The last checkpoint's model folder, after finishing a swap a kill interrupted."""
     if rank == 0 and not os.path.exists(ckpt_dir) and os.path.exists(ckpt_dir + ".old"):
         os.replace(ckpt_dir + ".old", ckpt_dir)  # killed between the checkpoint's two renames
     barrier()
+    return os.path.join(ckpt_dir, "model")
+
+
+def load_checkpoint(ckpt_dir, policy, optimizer, rank, rng, gen):
+    """Restore the optimizer (onto the policy as laid out now), rng, gen; returns the run state."""
     with open(os.path.join(ckpt_dir, "state.json")) as f:
         state = json.load(f)
-    policy, tokenizer = M.load(os.path.join(ckpt_dir, "model"), dev, dt)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
-    optimizer.load_state_dict(torch.load(os.path.join(ckpt_dir, "optimizer.pt"), weights_only=True))
+    FS.load_optimizer(policy, optimizer, os.path.join(ckpt_dir, "optimizer"))
     rng_state = torch.load(os.path.join(ckpt_dir, f"rng{rank}.pt"), weights_only=True)
     gen.set_state(rng_state["gen"])
     torch.set_rng_state(rng_state["torch"])
     rng.setstate((state["py_rng"][0], tuple(state["py_rng"][1]), state["py_rng"][2]))
     if rank == 0:
         print(f"resumed from {ckpt_dir}: {state['done']} rounds done")
-    return policy, tokenizer, optimizer, state
+    return state

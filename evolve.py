@@ -21,7 +21,7 @@ Real-scale settings (the anchor's values) are in the comments and in the README.
     python evolve.py --ofsd=False --out_dir=runs/grpo  # the GRPO-only ablation
     torchrun --nproc_per_node=8 evolve.py --model_dir=... --index_dir=... --train_file=...
 
-Left out: vLLM-speed generation, FSDP / tensor parallelism (ranks hold full weights),
+Left out: vLLM-speed generation, tensor parallelism, CPU offload,
 asynchronous rollouts, learning-rate schedules beyond warm-up.
 """
 
@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 import checkpoint as CK
 import eval as EV
+import fsdp as FS
 import grpo
 import model as M
 import ofsd as OF
@@ -73,6 +74,8 @@ max_turns = 4                  # searching turns before the answer-only turn  (4
 max_turn_tokens = 80           # per-turn response cap                        (500)
 max_obs_tokens = 256           # observation cap                              (500)
 top_k = 3                      # documents per search                         (3)
+rollout_rows = 0               # trajectories decoded at once per rank (bounds the KV cache); 0 = all
+                               #                                              (64 at 3B/7B; README)
 ofsd = True                    # False: the GRPO-only ablation (same GRPO steps, no OFSD rounds)
 ofsd_questions = 64            # questions rolled out to mine pairs per OFSD round
 ofsd_students = "any"          # "any": the paper's rule (an incorrect sibling, else a correct one);
@@ -89,7 +92,10 @@ seed = 0                       # sampling, question order, LoRA initialisation
 world_seed = 0                 # the toy world (rewritten when world_dir holds another seed); seed
                                # 0's backbone is shipped, another seed's is built (~4.5 min)
 device = "auto"                # "auto": cuda if available, else cpu
-dtype = "auto"                 # "auto": bfloat16 on cuda, float32 on cpu
+dtype = "auto"                 # compute dtype; weights and AdamW state stay float32. "auto": bfloat16
+                               # on cuda (FSDP2 mixed precision), float32 on cpu
+activation_checkpointing = False  # recompute each decoder layer in backward: less memory, ~1/3
+                               # more training compute                          (True at 3B/7B)
 resume = False                 # continue from out_dir/checkpoint (the same settings; see RESUME_MAY_CHANGE)
 overwrite = False              # a fresh run may replace an earlier run's files in out_dir (never others)
 # ---------------------------------------------------------------------------------------------
@@ -107,9 +113,10 @@ def main():
         CK.check_resume(ckpt_dir, config, world_size, RESUME_MAY_CHANGE)
     else:
         CK.check_run_dir(out_dir, overwrite)
-    if min(ppo_mini_batch, ofsd_questions) < world_size:
-        raise SystemExit(f"--ppo_mini_batch={ppo_mini_batch} and --ofsd_questions={ofsd_questions} must be "
-                         f"at least the number of ranks ({world_size}): every rank needs questions")
+    if ppo_mini_batch % world_size or ofsd_questions < world_size:
+        raise SystemExit(f"--ppo_mini_batch={ppo_mini_batch} must be a multiple of the number of ranks "
+                         f"({world_size}) and --ofsd_questions={ofsd_questions} at least that: every rank "
+                         "needs questions, and the same number of training passes")
     CK.barrier()  # every rank has checked before any rank writes
 
     # -----------------------------------------------------------------------------------------
@@ -125,21 +132,26 @@ def main():
     rng = random.Random(seed)  # question order, identical on every rank
     gen = torch.Generator(device=dev).manual_seed(seed * 1000 + rank)  # rollout sampling, per rank
     torch.manual_seed(seed)  # LoRA initialisation
+    if not resume and master:
+        CK.claim_run_dir(out_dir)
+    CK.barrier()
+    # float32 weights; sharded over the ranks (fsdp.py) with compute in dt when distributed or dt is
+    # not float32 (mixed precision: float32 master weights and AdamW state, bfloat16 compute)
+    policy, tokenizer = M.load(CK.recover(ckpt_dir, rank) if resume else start_model, dev, torch.float32)
+    kl_model = M.load(start_model, dev, torch.float32)[0]  # kl_policy "round": the policy's copy each round
+    if dist.is_initialized():
+        FS.shard(policy, dt)
+        FS.shard(kl_model, dt)
+    policy.checkpoint_layers = activation_checkpointing
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
     if resume:
-        policy, tokenizer, optimizer, state = CK.load_checkpoint(ckpt_dir, rank, rng, gen, dev, dt, lr)
+        state = CK.load_checkpoint(ckpt_dir, policy, optimizer, rank, rng, gen)
         if master:  # the rows a killed round wrote after its last checkpoint go; they are redone
             CK.keep_first_lines(metrics_path, state["metrics_lines"])
-    else:
-        if master:
-            CK.claim_run_dir(out_dir)
-        CK.barrier()
-        policy, tokenizer = M.load(start_model, dev, dt)
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
-        # rounds finished, GRPO steps, evaluation rows, lines in metrics.jsonl, ranks
+    else:  # rounds finished, GRPO steps, evaluation rows, lines in metrics.jsonl, ranks
         state = dict(done=0, step=0, results=[], metrics_lines=0, world_size=world_size)
-    kl_model = M.load(start_model, dev, dt)[0]  # kl_policy = "initial"; "round" reloads it each round
     rollout_args = dict(max_turns=max_turns, max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens,
-                        top_k=top_k, temperature=temperature, top_p=top_p, generator=gen)
+                        top_k=top_k, temperature=temperature, top_p=top_p, generator=gen, max_rows=rollout_rows)
 
     def record(row, line):
         """One JSON line in metrics.jsonl (none when row is None) and one printed line, on rank 0."""
@@ -162,14 +174,15 @@ def main():
         t0, row = time.time(), dict(round=r, after=kind, iteration=it)
         if kind == "grpo":
             if kl_policy == "round":
-                kl_model.load_state_dict(policy.state_dict())
+                FS.copy_weights(kl_model, policy)
             grpo.grpo_round(
                 policy, kl_model, optimizer, tokenizer, index, lambda: sample_questions(questions_per_step),
                 steps=grpo_steps, first_step=state["step"], lr=lr, warmup_steps=warmup_steps,
                 group_size=group_size, ppo_updates=questions_per_step // ppo_mini_batch,
                 micro_batch=micro_batch, clip_ratio=clip_ratio, kl_coef=kl_coef, entropy_coef=entropy_coef,
                 max_grad_norm=max_grad_norm, rollout_args=rollout_args,
-                log=lambda m: record(dict(kind="grpo_step", iteration=it, **m), grpo_line(m, it)))
+                log=lambda m: record(dict(kind="grpo_step", iteration=it, **m,  # what each rank holds:
+                                          state_bytes=FS.state_bytes(policy, optimizer, kl_model)), grpo_line(m, it)))
             state["step"] += grpo_steps
         elif kind == "ofsd":
             m = OF.ofsd_round(
@@ -181,14 +194,15 @@ def main():
                     None, f"ofsd | it {it} | epoch {epoch} | step {n:4d} | loss {loss:.5f}"))
             row.update({k: v for k, v in m.items() if k != "losses"})  # counts, KL, diagnostics
             record(dict(kind="ofsd_round", **row, losses=m["losses"]), ofsd_line(row, m))
-        row["ranks_identical"] = ranks_identical(policy)
+        with FS.gathered(policy):  # each rank its share of the test questions, weights gathered once
+            results = EV.evaluate(policy, tokenizer, index, test[rank::world_size], batch=eval_batch,
+                                  max_turns=max_turns, top_k=top_k, max_turn_tokens=max_turn_tokens,
+                                  max_obs_tokens=max_obs_tokens)
+        summary = EV.summarize(gather(results), "type")
+        row.update(summary=summary, grpo_steps=state["step"], seconds=time.time() - t0)
+        state["results"].append(row)
+        record(dict(kind="eval", **row), eval_line(row))
         if master:
-            summary = EV.summarize(EV.evaluate(
-                policy, tokenizer, index, test, batch=eval_batch, max_turns=max_turns, top_k=top_k,
-                max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens), "type")
-            row.update(summary=summary, grpo_steps=state["step"], seconds=time.time() - t0)
-            state["results"].append(row)
-            record(dict(kind="eval", **row), eval_line(row, world_size > 1))
             write_file(os.path.join(out_dir, "curves.svg"), EV.curves_svg({out_dir: [state["results"]]}))
         state["done"] = r + 1
         CK.save_checkpoint(ckpt_dir, policy, tokenizer, optimizer, rng, gen, dict(state, config=config), rank)
@@ -228,10 +242,12 @@ POSITIVE = ("grpo_steps", "questions_per_step", "ppo_mini_batch", "micro_batch",
             "max_obs_tokens", "top_k", "ofsd_questions", "lora_rank", "lora_epochs", "ofsd_micro_batch",
             "eval_batch", "kl_chunk", "lr", "lora_lr", "lora_alpha", "clip_ratio", "max_grad_norm",
             "temperature", "tau_clip")
-NOT_NEGATIVE = ("iterations", "max_turns", "test_limit", "kl_coef", "entropy_coef", "seed", "world_seed")
-CHOICES = dict(kl_policy=("round", "initial"), ofsd_students=("any", "incorrect"), dtype=("auto", "float32", "bfloat16", "float16"))
+NOT_NEGATIVE = ("iterations", "max_turns", "test_limit", "kl_coef", "entropy_coef", "seed", "world_seed",
+                "rollout_rows")
+CHOICES = dict(kl_policy=("round", "initial"), ofsd_students=("any", "incorrect"),
+               dtype=("auto", "float32", "bfloat16"))
 RESUME_MAY_CHANGE = ("resume", "overwrite", "out_dir", "world_dir", "iterations", "eval_batch", "micro_batch",
-                     "kl_chunk")  # paths, the run's length, and batch sizes that change float sums only
+                     "kl_chunk", "activation_checkpointing", "rollout_rows")  # paths, length, memory knobs
 
 
 def check_config(cfg):
@@ -260,30 +276,34 @@ def check_config(cfg):
 
 
 def setup_device(device, dtype):
-    """The one place that picks ranks, device and dtype: under torchrun (RANK set) one process per
-    device (nccl on CUDA, gloo on CPU). "auto": CUDA when there is one; bfloat16 on CUDA, float32
-    on CPU. Returns (rank, world_size, device, dtype)."""
+    """The one place that picks ranks, device and compute dtype. Under torchrun (RANK set): one
+    process per device (nccl on CUDA, gloo on CPU). "auto": CUDA when there is one; bfloat16 on
+    CUDA, float32 on CPU. A process group means a sharded policy (fsdp.py), so one process that
+    computes in bfloat16 joins a one-rank group: the same mixed precision as N ranks.
+    Returns (rank, world_size, device, compute dtype)."""
     distributed = "RANK" in os.environ
-    if distributed:
-        dist.init_process_group("nccl" if torch.cuda.is_available() and device != "cpu" else "gloo")
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     if dev == "cuda" and distributed:
         dev = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+    if dev.startswith("cuda"):
         torch.cuda.set_device(dev)
     dt = getattr(torch, dtype) if dtype != "auto" else (torch.bfloat16 if dev.startswith("cuda") else torch.float32)
+    backend = "nccl" if dev.startswith("cuda") else "gloo"
+    if distributed:
+        dist.init_process_group(backend)
+    elif dt != torch.float32:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     return rank, world_size, dev, dt
 
 
-def ranks_identical(policy):
-    """Every rank must hold the same weights: compare a float64 checksum across ranks."""
+def gather(items):
+    """Every rank's list, concatenated (rank 0's first); the list itself in one process."""
     if not dist.is_initialized():
-        return True
-    s = torch.stack([p.detach().double().sum() for p in policy.parameters()]).sum().reshape(1)
-    s = s.to(policy.lm_head_weight.device)
-    all_s = [torch.zeros_like(s) for _ in range(dist.get_world_size())]
-    dist.all_gather(all_s, s)
-    return all(torch.equal(a, all_s[0]) for a in all_s)
+        return items
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, items)
+    return [x for part in out for x in part]
 
 
 def grpo_line(m, it):
@@ -301,12 +321,11 @@ def ofsd_line(row, m):
     return line
 
 
-def eval_line(row, distributed):
+def eval_line(row):
     s = row["summary"]
     return (f"eval | round {row['round']} {row['after'] if row['after'] != 'start' else 'eval'} | "
             f"EM {s['all']['em']:.3f} | " + " | ".join(f"{k} {v['em']:.3f}" for k, v in s.items() if k != "all") +
-            f" | searches {s['all']['searches']:.2f} | format {s['all']['format']:.2f}" +
-            (f" | ranks identical {row['ranks_identical']}" if distributed else ""))
+            f" | searches {s['all']['searches']:.2f} | format {s['all']['format']:.2f}")
 
 
 def write_file(path, text):

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import fsdp as FS
 import model as M
 from rollout import em_rewards, rollout
 
@@ -82,9 +83,10 @@ def grpo_token_loss(logp, old_logp, kl_logp, adv, clip_ratio, kl_coef, entropy=N
 
 def grpo_step(model, kl_model, optimizer, trajs, advantages, *, micro_batch, clip_ratio, kl_coef,
               entropy_coef, temperature, max_grad_norm, pad_id):
-    """One optimizer step on `trajs` (a PPO mini-batch): masked token-mean loss, accumulated over
-    micro-batches of similar lengths, gradients all-reduced across ranks when torch.distributed
-    is initialised."""
+    """One optimizer step on `trajs` (a PPO mini-batch): masked token-mean loss over the tokens of
+    every rank, accumulated over micro-batches of similar lengths. Under torch.distributed the
+    model is sharded (fsdp.py), whose backward sums the ranks' gradients into each rank's slice;
+    every rank must run the same number of micro-batches."""
     device = model.model.embed_tokens.weight.device
     n_tokens = torch.tensor(float(sum(sum(t.loss_mask) for t in trajs)), device=device)
     if dist.is_initialized():
@@ -105,17 +107,15 @@ def grpo_step(model, kl_model, optimizer, trajs, advantages, *, micro_batch, cli
                                                 entropy, entropy_coef)
         (loss.sum() / n_tokens).backward()
         sums += torch.stack([loss.sum(), pg.sum(), kl.sum(), clipped.float().sum(), entropy.sum()]).detach()
-    params = [p for p in model.parameters() if p.requires_grad]
+    FS.reshard(kl_model)  # a sharded root keeps its gathered weights after a no-grad forward: free them
     if dist.is_initialized():
-        for p in params:  # each rank's loss is already divided by the global token count: sum
-            if p.grad is not None:
-                dist.all_reduce(p.grad)
         dist.all_reduce(sums)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)  # the global norm, over every slice
     optimizer.step()
     sums /= n_tokens
     return dict(loss=sums[0].item(), pg=sums[1].item(), kl=sums[2].item(), clip_frac=sums[3].item(),
-                entropy=sums[4].item(), grad_norm=grad_norm.item(), tokens=int(n_tokens.item()))
+                entropy=sums[4].item(), grad_norm=FS.local(grad_norm).item(), tokens=int(n_tokens.item()))
 
 
 def grpo_round(policy, kl_model, optimizer, tokenizer, index, next_questions, *, steps, first_step, lr,

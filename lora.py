@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -42,8 +43,9 @@ class LoRALinear(nn.Module):
 
     def forward(self, x):
         y = self.base(x)
-        if self.enabled:
-            y = y + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
+        if self.enabled:  # in the adapter's dtype (float32 under bfloat16 mixed precision)
+            x = self.dropout(x.to(self.lora_A.weight.dtype))
+            y = y + (self.lora_B(self.lora_A(x)) * self.scaling).to(y.dtype)
         return y
 
 
@@ -87,7 +89,10 @@ def merge(model):
     """W <- W + scaling * B @ A for every adapter, then replace each wrapper by its base Linear."""
     for name, m in _wrapped(model):
         delta = (m.lora_B.weight.float() @ m.lora_A.weight.float()) * m.scaling  # (out, in)
-        m.base.weight += delta.to(m.base.weight.dtype)
+        w = m.base.weight
+        if isinstance(w, DTensor):  # a sharded weight (FSDP2): add this rank's rows of delta
+            delta = distribute_tensor(delta, w.device_mesh, w.placements, src_data_rank=None)
+        w += delta.to(w.dtype)
         parent_name, child = name.rsplit(".", 1)
         setattr(model.get_submodule(parent_name), child, m.base)
     return model

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer as _HFTokenizer
@@ -262,7 +263,12 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, cache, layer, select=None):
+    def forward(self, x, cos, sin, mask, cache, layer, select=None, recompute=False):
+        if recompute:  # activation checkpointing: keep x only, recompute the layer in backward
+            return checkpoint(self.layer, x, cos, sin, mask, cache, layer, select, use_reentrant=False)
+        return self.layer(x, cos, sin, mask, cache, layer, select)
+
+    def layer(self, x, cos, sin, mask, cache, layer, select):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
         if select is not None:
             x = x[select]  # (n, d): the MLP only where the caller wants an output
@@ -280,6 +286,7 @@ class Qwen2(nn.Module):
         self.model.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.checkpoint_layers = False  # True: recompute each decoder layer in backward (activation memory)
 
     @property
     def lm_head_weight(self):
@@ -331,8 +338,9 @@ class Qwen2(nn.Module):
         freqs = positions[:, :, None].float() * inv_freq  # (B, T, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        recompute = self.checkpoint_layers and torch.is_grad_enabled() and cache is None
         for i, block in enumerate(self.model.layers):
-            x = block(x, cos, sin, mask, cache, i, select if i == cfg.num_hidden_layers - 1 else None)
+            x = block(x, cos, sin, mask, cache, i, select if i == cfg.num_hidden_layers - 1 else None, recompute)
         if cache is not None:
             cache.length += T
             cache.next_pos += valid.sum(1)
@@ -476,9 +484,12 @@ CHECKPOINT_FILES = {"config.json", "model.safetensors", "tokenizer.json", "token
                     "generation_config.json", "toyworld.json"}  # what `save` may replace (toyworld.json: the toy stamp)
 
 
-def save(model, tokenizer, path):
-    """Write config.json, model.safetensors and tokenizer.json to `path` (temp folder, then rename)."""
-    names = {n for n, _ in model.named_parameters()}
+def save(model, tokenizer, path, state=None):
+    """Write config.json, model.safetensors and tokenizer.json to `path` (temp folder, then rename).
+    state: the tensors to write (default: the model's parameters; a sharded model's full state
+    dict, gathered on one rank)."""
+    state = state if state is not None else {n: p.detach() for n, p in model.named_parameters()}
+    names = set(state)
     with torch.device("meta"):
         expected = {n for n, _ in Qwen2(model.config).named_parameters()}
     if names != expected:
@@ -490,10 +501,10 @@ def save(model, tokenizer, path):
     tmp = path.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    dtype = model.model.embed_tokens.weight.dtype
+    dtype = state["model.embed_tokens.weight"].dtype
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(model.config.to_hf_dict(dtype), f, indent=2)
-    state = {n: p.detach().contiguous().cpu() for n, p in model.named_parameters()}
+    state = {n: t.contiguous().cpu() for n, t in state.items()}
     save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save(os.path.join(tmp, "tokenizer.json"))
     old = path.rstrip("/") + ".old"

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import fsdp as FS
 import lora
 import model as M
 from rollout import em_rewards, exact_match, make_prompt, rollout
@@ -140,7 +141,8 @@ def ofsd_round(policy, tokenizer, index, questions, *, group_size, rollout_args,
     mined = [(ref, stu, wrong, golds[stu.question])
              for ref, stu, wrong in mine_pairs(trajs, em_rewards(trajs, questions, group_size), group_size)
              if wrong or students == "any"]
-    if dist.is_initialized():  # every rank distills all ranks' pairs (the round is cheap)
+    if dist.is_initialized():  # every rank distills all ranks' pairs (the round is cheap; sharded
+        # weights are all-gathered layer by layer, so every rank must run the same passes)
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mined)
         mined = [p for ps in gathered for p in ps]
@@ -149,9 +151,6 @@ def ofsd_round(policy, tokenizer, index, questions, *, group_size, rollout_args,
     metrics = distill(policy, tokenizer, pairs, lora_rank=lora_rank, lora_alpha=lora_alpha, lr=lr,
                       epochs=epochs, micro_batch=micro_batch, tau_clip=tau_clip, max_grad_norm=max_grad_norm,
                       kl_chunk=kl_chunk, seed=seed, log=log)
-    if dist.is_initialized():  # guard against non-deterministic kernels: rank 0's weights for all
-        for p in policy.parameters():
-            dist.broadcast(p.data, 0)
     if mined:  # the round's effect on its own questions, by whether the student was incorrect
         after = greedy_em(policy, tokenizer, index, mined, rollout_args)
         metrics.update(before, **split_em("mined_em_after", after, mined))
@@ -234,6 +233,7 @@ def distill(model, tokenizer, pairs, *, lora_rank, lora_alpha, lr, epochs, micro
     if not data:
         return metrics
     params = lora.attach(model, lora_rank, lora_alpha)
+    broadcast(params)  # every rank trains the same adapter on the same pairs (it is small)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
 
     def mean_kl():
@@ -256,10 +256,18 @@ def distill(model, tokenizer, pairs, *, lora_rank, lora_alpha, lr, epochs, micro
             if log:
                 log(epoch, len(metrics["losses"]), loss.item())
     metrics["kl_after"] = mean_kl()
+    broadcast(params)  # guard against non-deterministic kernels: rank 0's adapter for all
+    FS.reshard(model)  # a sharded base takes each rank's slice of the merged update
     lora.merge(model)
     for p in model.parameters():
         p.requires_grad_(True)
     return metrics
+
+
+def broadcast(tensors):
+    if dist.is_initialized():
+        for t in tensors:
+            dist.broadcast(t.data, 0)
 
 
 def pair_loss(model, batch, tau_clip, kl_chunk):

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import fsdp as FS
 import model as M
 from retriever import format_docs
 
@@ -142,67 +143,76 @@ class Trajectory:
 
 @torch.no_grad()
 def rollout(model, tokenizer, retriever, questions, group_size, *, max_turns, max_turn_tokens,
-            max_obs_tokens, top_k, temperature, top_p, generator, contexts=None):
+            max_obs_tokens, top_k, temperature, top_p, generator, contexts=None, max_rows=0):
     """Run len(questions) x group_size trajectories; returns them question-major (q0 g0, q0 g1, ...).
-    `contexts`: text appended to each question's user message (OFSD's teacher view puts tau_ref there)."""
-    G = group_size
-    contexts = contexts or [""] * len(questions)
-    prompts = [tokenizer.encode(tokenizer.chat_prompt(make_prompt(q) + c)) for q, c in zip(questions, contexts)]
-    trajs = [Trajectory(q, len(p)) for q, p in zip(questions, prompts) for _ in range(G)]
-    for t, p in zip(trajs, (p for p in prompts for _ in range(G))):
-        t.add(p, sampled=False)
-    invalid_ids = tokenizer.encode(INVALID)
-    per_turn_env = max(max_obs_tokens, len(invalid_ids))
-    max_len = max(map(len, prompts)) + (max_turns + 1) * (max_turn_tokens + 1) + max_turns * per_turn_env
+    `contexts`: text appended to each question's user message (OFSD's teacher view puts tau_ref there).
+    `max_rows`: decode at most this many trajectories at once (the KV cache's size), 0 = all."""
+    with FS.gathered(model):  # a sharded model: weights all-gathered once for the whole batch
+        G = group_size
+        n = max(1, max_rows // G) if max_rows else len(questions)  # questions per decoding batch
+        if len(questions) > n:
+            contexts = contexts or [""] * len(questions)
+            return [t for s in range(0, len(questions), n) for t in rollout(
+                model, tokenizer, retriever, questions[s:s + n], G, max_turns=max_turns,
+                max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens, top_k=top_k,
+                temperature=temperature, top_p=top_p, generator=generator, contexts=contexts[s:s + n])]
+        contexts = contexts or [""] * len(questions)
+        prompts = [tokenizer.encode(tokenizer.chat_prompt(make_prompt(q) + c)) for q, c in zip(questions, contexts)]
+        trajs = [Trajectory(q, len(p)) for q, p in zip(questions, prompts) for _ in range(G)]
+        for t, p in zip(trajs, (p for p in prompts for _ in range(G))):
+            t.add(p, sampled=False)
+        invalid_ids = tokenizer.encode(INVALID)
+        per_turn_env = max(max_obs_tokens, len(invalid_ids))
+        max_len = max(map(len, prompts)) + (max_turns + 1) * (max_turn_tokens + 1) + max_turns * per_turn_env
 
-    cache = model.new_cache(len(prompts), max_len)
-    logits = M.extend(model, cache, prompts)  # (B, V) prefill once per question
-    cache = cache.repeat_rows(G)  # (B*G rows)
-    logits = logits.repeat_interleave(G, dim=0)  # (B*G, V)
-    live = list(range(len(trajs)))  # the trajectory in each cache row; finished ones leave
-    for turn in range(max_turns + 1):
-        final = turn == max_turns
-        toks, lps, reasons, logits = M.sample_turn(
-            model, tokenizer, cache, logits, [True] * len(live), max_turn_tokens, temperature=temperature,
-            top_p=top_p, generator=generator, stop_ids=tokenizer.eos_ids, stop_strings=STOP_STRINGS)
-        ended = [r for r, why in enumerate(reasons) if why == "stop_id"]  # the turn ended on <|im_end|> & co.
-        for r in ended:  # Search-R1 decodes turns without special tokens: the token is not kept anywhere
-            toks[r].pop()
-            lps[r].pop()
-        cache.drop_last(ended)  # (the next chunk's logits replace this row's, computed after the token)
-        searching, chunks, going = [], [[] for _ in live], []  # per cache row
-        for r, i in enumerate(live):
-            t = trajs[i]
-            text = tokenizer.decode(toks[r])
-            t.add(toks[r], sampled=True, logprobs=lps[r])
-            t.model_text += text
-            t.n_turns += 1
-            t.answer = extract_answer(t.model_text)
-            m = ACTION.search(text)
-            if m and m.group(1) == "answer":
-                t.stop = "answer"
-                continue
-            if final:
-                t.stop = "final_turn_without_answer"
-                continue
-            going.append(r)
-            if m:
-                t.queries.append(m.group(2).strip())
-                searching.append(r)
-            else:
-                chunks[r] = invalid_ids
-        if searching:
-            hits = retriever.search([trajs[live[r]].queries[-1] for r in searching], top_k)  # one batched call
-            for r, h in zip(searching, hits):
-                chunks[r] = tokenizer.encode(observation([retriever.doc(d) for d, _ in h]))[:max_obs_tokens]
-        if not going:
-            break
-        cache.keep(going)  # finished rows leave; every row's tokens packed to the front
-        logits, chunks, live = logits[going], [chunks[r] for r in going], [live[r] for r in going]  # (b, V)
-        for i, c in zip(live, chunks):
-            trajs[i].add(c, sampled=False)
-        logits = M.extend(model, cache, chunks, logits)
-    return trajs
+        cache = model.new_cache(len(prompts), max_len)
+        logits = M.extend(model, cache, prompts)  # (B, V) prefill once per question
+        cache = cache.repeat_rows(G)  # (B*G rows)
+        logits = logits.repeat_interleave(G, dim=0)  # (B*G, V)
+        live = list(range(len(trajs)))  # the trajectory in each cache row; finished ones leave
+        for turn in range(max_turns + 1):
+            final = turn == max_turns
+            toks, lps, reasons, logits = M.sample_turn(
+                model, tokenizer, cache, logits, [True] * len(live), max_turn_tokens, temperature=temperature,
+                top_p=top_p, generator=generator, stop_ids=tokenizer.eos_ids, stop_strings=STOP_STRINGS)
+            ended = [r for r, why in enumerate(reasons) if why == "stop_id"]  # the turn ended on <|im_end|> & co.
+            for r in ended:  # Search-R1 decodes turns without special tokens: the token is not kept anywhere
+                toks[r].pop()
+                lps[r].pop()
+            cache.drop_last(ended)  # (the next chunk's logits replace this row's, computed after the token)
+            searching, chunks, going = [], [[] for _ in live], []  # per cache row
+            for r, i in enumerate(live):
+                t = trajs[i]
+                text = tokenizer.decode(toks[r])
+                t.add(toks[r], sampled=True, logprobs=lps[r])
+                t.model_text += text
+                t.n_turns += 1
+                t.answer = extract_answer(t.model_text)
+                m = ACTION.search(text)
+                if m and m.group(1) == "answer":
+                    t.stop = "answer"
+                    continue
+                if final:
+                    t.stop = "final_turn_without_answer"
+                    continue
+                going.append(r)
+                if m:
+                    t.queries.append(m.group(2).strip())
+                    searching.append(r)
+                else:
+                    chunks[r] = invalid_ids
+            if searching:
+                hits = retriever.search([trajs[live[r]].queries[-1] for r in searching], top_k)  # one batched call
+                for r, h in zip(searching, hits):
+                    chunks[r] = tokenizer.encode(observation([retriever.doc(d) for d, _ in h]))[:max_obs_tokens]
+            if not going:
+                break
+            cache.keep(going)  # finished rows leave; every row's tokens packed to the front
+            logits, chunks, live = logits[going], [chunks[r] for r in going], [live[r] for r in going]  # (b, V)
+            for i, c in zip(live, chunks):
+                trajs[i].add(c, sampled=False)
+            logits = M.extend(model, cache, chunks, logits)
+        return trajs
 
 
 if __name__ == "__main__":

@@ -82,6 +82,14 @@ def test_batch_equals_rows_alone(agent, tokenizer, search_index):
             assert t.queries == alone.queries and t.answer == alone.answer
 
 
+def test_max_rows_decodes_in_batches_with_the_same_result(agent, tokenizer, search_index):
+    """max_rows=4 with G=2 decodes two questions at a time and returns the same trajectories, in order."""
+    qs = [AGENT_QUESTION, "Turing", "Paris 1815 river and the lake mountain"]
+    whole = run(agent, tokenizer, search_index, qs, G=2)
+    parts = run(agent, tokenizer, search_index, qs, G=2, max_rows=4)
+    assert [(t.question, t.tokens, t.loss_mask) for t in parts] == [(t.question, t.tokens, t.loss_mask) for t in whole]
+
+
 def test_turn_and_token_caps_hold(agent, tokenizer, search_index):
     """At most max_turns searches + one final turn; turns and observations respect their caps."""
     trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION, "Ada"], G=5, temperature=1.5,

@@ -1,0 +1,146 @@
+"""Sharding and mixed precision with PyTorch's FSDP2: the one place the policy is laid out on ranks.
+
+When the run is distributed (torchrun) or computes in bfloat16 (the default on CUDA, one process
+included), evolve.py passes the policy and the KL term's model through `shard`:
+    fully_shard(each decoder layer), then fully_shard(the root: embeddings, final norm, LM head)
+    MixedPrecisionPolicy(param_dtype=compute dtype, reduce_dtype=float32)
+so every rank holds 1/N of every float32 parameter, and AdamW's moments only for that slice
+(float32 master weights and optimizer state); a layer's weights are all-gathered in the compute
+dtype just before it runs and freed after it, and gradients are reduce-scattered in float32.
+The GRPO loss is already divided by the token count of all ranks, so gradients are summed over
+ranks, not averaged. On one CPU process in float32 (the toy main job) nothing here runs.
+
+Generation is many small forward passes: `gathered(model)` all-gathers the weights once for a
+whole rollout batch (or evaluation), keeps them through every step, and frees them after.
+Checkpoints: `full_state_dict` gathers the model on rank 0 (written in Hugging Face format), the
+optimizer is saved per rank with torch.distributed.checkpoint (`save_optimizer` / `load_optimizer`).
+`state_bytes` reports what each rank holds.
+
+Left out: CPU offload of parameters or optimizer state, tensor or sequence parallelism, hybrid
+sharding across nodes (a 2-D device mesh), float8.
+"""
+
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_optimizer_state_dict)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
+
+
+def shard(model, compute_dtype):
+    """Shard a float32 Qwen2 over the default process group, per decoder layer and at the root."""
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for block in model.model.layers:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    register_fsdp_forward_method(model, "hidden")  # training calls hidden(), not forward()
+    for m in _units(model):
+        m.set_gradient_divide_factor(1.0)  # sum over ranks: the loss is already a global token mean
+        m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
+    return model
+
+
+def _units(model):
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def is_sharded(model):
+    return isinstance(model, FSDPModule)
+
+
+@contextlib.contextmanager
+def gathered(model):
+    """Run a block of forward passes (a rollout batch, an evaluation) on weights all-gathered once.
+    Re-entrant; a no-op for an unsharded model. Every rank must enter it together."""
+    if not is_sharded(model) or getattr(model, "_gathered", False):
+        yield model
+        return
+    layers = [m for m in _units(model) if m is not model]
+    for m in layers:
+        m.set_reshard_after_forward(False, recurse=False)
+    for m in _units(model):
+        m.unshard()
+    model._gathered = True
+    try:
+        yield model
+    finally:
+        model._gathered = False
+        for m in layers:
+            m.set_reshard_after_forward(True, recurse=False)
+        reshard(model)
+
+
+def reshard(model):
+    """Free every all-gathered weight, so parameters are the sharded float32 masters again."""
+    for m in _units(model):
+        m.reshard()
+
+
+@torch.no_grad()
+def copy_weights(dst, src):
+    """dst's weights <- src's (same architecture and layout; each rank copies its own slices)."""
+    if is_sharded(src):
+        reshard(src)
+        reshard(dst)
+    for a, b in zip(dst.parameters(), src.parameters(), strict=True):
+        a.copy_(b)
+
+
+def local(t):
+    """The part of a tensor this rank holds."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def state_bytes(model, optimizer, reference):
+    """Bytes of parameters, gradients, optimizer state and the KL term's model held by each rank:
+    a list with one dict per rank (collective: every rank must call it)."""
+    def size(ts):
+        return sum(local(t).numel() * local(t).element_size() for t in ts if t is not None)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    mine = dict(params=size(params), grads=size(p.grad for p in params),
+                optimizer=size(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)),
+                reference=size(reference.parameters()))
+    if not dist.is_initialized():
+        return [mine]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return out
+
+
+def full_state_dict(model):
+    """{name: full float32 CPU tensor} on rank 0 ({} elsewhere); collective when sharded."""
+    if not is_sharded(model):
+        return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
+    reshard(model)
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_world_size() == 1:  # one CPU rank: the "gathered" tensors are the parameters themselves
+        state = {n: t.clone() for n, t in state.items()}
+    return state
+
+
+def save_optimizer(model, optimizer, path):
+    """AdamW state: one torch.save file (unsharded) or a torch.distributed.checkpoint folder with
+    each rank's slices (sharded; collective)."""
+    if not is_sharded(model):
+        torch.save(optimizer.state_dict(), path + ".pt")
+        return
+    reshard(model)
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=path)
+
+
+def load_optimizer(model, optimizer, path):
+    """Restore what save_optimizer wrote, onto the same number of ranks."""
+    if not is_sharded(model):
+        optimizer.load_state_dict(torch.load(path + ".pt", weights_only=True))
+        return
+    if not os.path.isdir(path):
+        raise SystemExit(f"{path}: no sharded optimizer state (the checkpoint was written by one unsharded "
+                         "process); resume it the way it was run")
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=path)
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])

@@ -1,0 +1,94 @@
+"""Worker for test_fsdp.py: GRPO steps and an OFSD round on fixed trajectories and pairs.
+
+    python tests/sharded_steps.py MODEL_DIR OUT.pt [float32|bfloat16|checkpointing]       # 1 process
+    torchrun --nproc_per_node=2 tests/sharded_steps.py MODEL_DIR OUT.pt [float32|bfloat16]
+
+Every process builds the same 12 trajectories (4 questions x G=3) from the checkpoint's own
+tokenizer, with recorded log-probs a little off the model's (so the PPO clip acts); rank r takes
+questions r, r + N, ... for each GRPO step; the OFSD round distils 4 fixed pairs. Rank 0 saves
+the step metrics, the OFSD losses, every rank's state_bytes and the full weights after each
+phase to OUT.pt.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import fsdp as FS  # noqa: E402
+import grpo  # noqa: E402
+import model as M  # noqa: E402
+import ofsd  # noqa: E402
+from rollout import Trajectory, make_prompt  # noqa: E402
+
+QUESTIONS = ["which river flows through Paris", "who founded Tokyo", "which lake is near London",
+             "when was Ada Lovelace born"]
+G = 3
+
+
+def trajectories(model, tokenizer):
+    """12 trajectories: prompt, then sampled / injected / sampled spans of seeded random tokens."""
+    gen = torch.Generator().manual_seed(0)
+    trajs = []
+    for q in QUESTIONS:
+        prompt = tokenizer.encode(tokenizer.chat_prompt(make_prompt(q)))
+        for _ in range(G):
+            t = Trajectory(q, len(prompt))
+            t.add(prompt, sampled=False)
+            n1, n2, n3 = torch.randint(4, 16, (3,), generator=gen).tolist()
+            for n, sampled in ((n1, True), (n2, False), (n3, True)):
+                t.add(torch.randint(3, 300, (n,), generator=gen).tolist(), sampled=sampled)
+            trajs.append(t)
+    for t in trajs:  # recorded log-probs: the model's own, shifted by up to +-0.3
+        ids, valid, mask, _ = grpo.pad_batch([t], tokenizer.pad_id, "cpu")
+        with torch.no_grad():
+            lp = grpo.token_logprobs(model, ids, valid, mask, 1.0)
+        lp = lp + 0.3 * (2 * torch.rand(lp.shape, generator=gen) - 1)
+        it = iter(lp.tolist())
+        t.logprobs = [next(it) if m else 0.0 for m in t.loss_mask]
+    return trajs
+
+
+def main():
+    model_dir, out, mode = sys.argv[1], sys.argv[2], (sys.argv[3] if len(sys.argv) > 3 else "float32")
+    dt = torch.bfloat16 if mode == "bfloat16" else torch.float32
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo")
+    elif dt != torch.float32:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    torch.manual_seed(0)
+    policy, tokenizer = M.load(model_dir)
+    reference = M.load(model_dir)[0]
+    trajs = trajectories(policy, tokenizer)
+    if dist.is_initialized():
+        FS.shard(policy, dt)
+        FS.shard(reference, dt)
+    policy.checkpoint_layers = mode == "checkpointing"
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3, weight_decay=0.0)
+    rewards = [1, 0, 0, 0, 1, 1, 0, 0, 0, 1, 0, 1]
+    adv = grpo.group_advantages(rewards, G).tolist()
+    mine = [i * G + j for i in range(rank, len(QUESTIONS), world) for j in range(G)]
+    steps = []
+    policy.train()
+    for _ in range(3):
+        steps.append(grpo.grpo_step(policy, reference, optimizer, [trajs[i] for i in mine], [adv[i] for i in mine],
+                                    micro_batch=2, clip_ratio=0.2, kl_coef=0.01, entropy_coef=0.01,
+                                    temperature=1.0, max_grad_norm=1.0, pad_id=tokenizer.pad_id))
+    policy.eval()
+    held = FS.state_bytes(policy, optimizer, reference)
+    after_grpo = FS.full_state_dict(policy)
+    pairs = [(trajs[g * G], trajs[g * G + 1], True) for g in range(len(QUESTIONS))]
+    m = ofsd.distill(policy, tokenizer, pairs, lora_rank=4, lora_alpha=8, lr=1e-2, epochs=2, micro_batch=2,
+                     tau_clip=0.05, max_grad_norm=1.0, kl_chunk=7, seed=0)
+    after_ofsd = FS.full_state_dict(policy)
+    if rank == 0:
+        torch.save(dict(steps=steps, ofsd=m, state_bytes=held, after_grpo=after_grpo, after_ofsd=after_ofsd), out)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
