@@ -81,8 +81,9 @@ def curves_svg(series):
     def fmt(ps):
         return " ".join(f"{a:.1f},{b:.1f}" for a, b in ps)
 
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * (left + w) + gap}" height="{top + h + 60 + 18 * len(series)}" '
-           'font-family="sans-serif" font-size="12">', '<rect width="100%" height="100%" fill="white"/>']
+    width, height = 2 * (left + w) + gap, top + h + 60 + 18 * len(series)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+           'font-size="12">', '<rect width="100%" height="100%" fill="white"/>']
     for panel, (title, k) in enumerate((("test exact match", 1), ("searches per question", 2))):
         x0 = panel * (left + w + gap)
         vals = [v for pts in points.values() for p in pts for v in p[k]]

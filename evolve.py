@@ -187,8 +187,8 @@ def main():
         elif kind == "ofsd":
             m = OF.ofsd_round(
                 policy, tokenizer, index, sample_questions(ofsd_questions), group_size=group_size,
-                rollout_args=rollout_args, students=ofsd_students, lora_rank=lora_rank, lora_alpha=lora_alpha, lr=lora_lr,
-                epochs=lora_epochs, micro_batch=ofsd_micro_batch, tau_clip=tau_clip,
+                rollout_args=rollout_args, students=ofsd_students, lora_rank=lora_rank, lora_alpha=lora_alpha,
+                lr=lora_lr, epochs=lora_epochs, micro_batch=ofsd_micro_batch, tau_clip=tau_clip,
                 max_grad_norm=max_grad_norm, kl_chunk=kl_chunk, seed=seed * 7919 + r,
                 log=lambda epoch, n, loss: record(
                     None, f"ofsd | it {it} | epoch {epoch} | step {n:4d} | loss {loss:.5f}"))

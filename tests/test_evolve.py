@@ -36,6 +36,7 @@ def test_one_iteration_end_to_end(micro, tmp_path):
     assert state["done"] == 3 and state["step"] == 2
     M.load(os.path.join(out, "checkpoint", "model"))
     assert "| round | after |" in open(os.path.join(out, "results.md")).read()
+    assert open(os.path.join(out, "curves.svg")).read().startswith("<svg")
     assert "grpo | it 0 | step    1 | reward" in p.stdout
 
 
@@ -96,3 +97,24 @@ def test_overrides_parse_types():
     assert isinstance(o["lr"], float)
     with pytest.raises(SystemExit, match="--grpo_steps=1.5: expected int"):
         E.parse_overrides(["--grpo_steps=1.5"])
+
+
+def test_curves_svg_draws_mean_and_band():
+    """The chart: per variant and panel, a mean line through every evaluation and a min-max band."""
+    import xml.etree.ElementTree as ET
+
+    import eval as EV
+
+    def row(after, it, em, searches):
+        return dict(after=after, iteration=it, summary={"all": dict(em=em, searches=searches)})
+    runs = [[row("start", 0, 0.2, 1.0), row("grpo", 0, 0.4, 1.5), row("ofsd", 0, 0.5, 1.2)],
+            [row("start", 0, 0.2, 1.0), row("grpo", 0, 0.6, 1.7), row("ofsd", 0, 0.3, 1.4)]]
+    svg = ET.fromstring(EV.curves_svg({"a": runs, "b": [[row("start", 0, 0.2, 1.0), row("grpo", 0, 0.5, 1.1)]]}))
+    ns = "{http://www.w3.org/2000/svg}"
+    lines, bands = svg.findall(f"{ns}polyline"), svg.findall(f"{ns}polygon")
+    assert len(lines) == len(bands) == 4  # 2 variants x 2 panels
+    assert [len(p.get("points").split()) for p in lines] == [3, 2, 3, 2]
+    assert [len(p.get("points").split()) for p in bands] == [6, 4, 6, 4]
+    mean_y = float(lines[0].get("points").split()[1].split(",")[1])  # variant a, EM after GRPO: mean 0.5
+    lo_y, hi_y = (float(bands[0].get("points").split()[i].split(",")[1]) for i in (4, 1))  # min 0.4, max 0.6
+    assert hi_y < mean_y < lo_y and abs(mean_y - (lo_y + hi_y) / 2) < 0.2  # SVG y grows downwards
