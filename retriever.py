@@ -54,7 +54,7 @@ STOPWORDS = frozenset(
 WORD = re.compile(r"\w+")
 FORMAT_VERSION = 2  # 2: meta.json records the analysis (1 had none and never stemmed)
 CHUNK_DOCS = 100_000  # documents per spilled postings run
-INDEX_FILES = {"meta.json", "indptr.npy", "docs.npy", "scores.npy", "doc_offsets.npy", "vocab_offsets.npy",
+INDEX_FILES = {"meta.json", "indptr.npy", "term_max.npy", "docs.npy", "scores.npy", "doc_offsets.npy", "vocab_offsets.npy",
                "docs.bin", "vocab.bin", "runs"}  # everything an index folder (or its build) holds
 
 
@@ -292,6 +292,7 @@ def build_index(corpus_path, index_dir, k1=0.9, b=0.4, stem=True, chunk_docs=CHU
     docs = np.lib.format.open_memmap(os.path.join(tmp, "docs.npy"), "w+", np.int32, (n_post,))
     scores = np.lib.format.open_memmap(os.path.join(tmp, "scores.npy"), "w+", np.float32, (n_post,))
     fill = indptr[:-1].copy()  # next write position per term
+    term_max = np.zeros(n_terms, dtype=np.float32)  # each term's highest score: MaxScore's bound
     for k in tqdm(range(n_runs), desc="merge", unit=" runs"):
         path = os.path.join(tmp, "runs", f"run{k}.npy")
         t, d, tf = np.load(path)  # each (P,), sorted by term
@@ -300,7 +301,8 @@ def build_index(corpus_path, index_dir, k1=0.9, b=0.4, stem=True, chunk_docs=CHU
         pos = fill[t] + (np.arange(len(t)) - starts[t])  # (P,) destination in the CSR arrays
         tf = tf.astype(np.float32)
         docs[pos] = d
-        scores[pos] = idf[t] * tf * (k1 + 1) / (tf + norm[d])
+        scores[pos] = run_scores = idf[t] * tf * (k1 + 1) / (tf + norm[d])
+        np.maximum.at(term_max, t, run_scores)
         fill += counts
         os.remove(path)
     docs.flush()
@@ -308,6 +310,7 @@ def build_index(corpus_path, index_dir, k1=0.9, b=0.4, stem=True, chunk_docs=CHU
     del docs, scores
     os.rmdir(os.path.join(tmp, "runs"))
     np.save(os.path.join(tmp, "indptr.npy"), indptr)
+    np.save(os.path.join(tmp, "term_max.npy"), term_max)
     np.save(os.path.join(tmp, "doc_offsets.npy"), np.frombuffer(doc_off, dtype=np.int64))
     terms = sorted((i, w) for w, i in vocab.items())
     blob = [w.encode("utf-8") for _, w in terms]
@@ -378,7 +381,7 @@ class Index:
         except (json.JSONDecodeError, AttributeError, ValueError) as e:
             raise ValueError(f"{meta_path}: not a valid index meta.json ({e})") from None
         arrays = {}
-        want = {"indptr": meta["n_terms"] + 1, "docs": meta["n_postings"], "scores": meta["n_postings"],
+        want = {"indptr": meta["n_terms"] + 1, "term_max": meta["n_terms"], "docs": meta["n_postings"], "scores": meta["n_postings"],
                 "doc_offsets": 3 * meta["n_docs"] + 1, "vocab_offsets": meta["n_terms"] + 1}
         for name, n in want.items():
             path = os.path.join(index_dir, name + ".npy")
@@ -389,6 +392,7 @@ class Index:
             if arrays[name].shape != (n,):
                 raise ValueError(f"{path}: shape {arrays[name].shape}, meta.json says ({n},)")
         self.indptr = np.asarray(arrays["indptr"])
+        self.term_max = np.asarray(arrays["term_max"]).tolist()  # floats: MaxScore's per-term bounds
         # plain ndarray views of the maps (no copy): slicing a np.memmap costs a subclass hook per call
         self.docs, self.scores = np.asarray(arrays["docs"]), np.asarray(arrays["scores"])
         self.doc_offsets = arrays["doc_offsets"]
@@ -404,7 +408,7 @@ class Index:
         self.vocab = {raw[vo[i]:vo[i + 1]].decode("utf-8"): i for i in range(meta["n_terms"])}
         self.n_docs = meta["n_docs"]
         self.analyzer = Analyzer(stem=meta["analysis"]["stemmer"] == "porter")  # the build's analysis
-        self._acc = np.zeros(self.n_docs, dtype=np.float32)  # score accumulator, all-zero between queries
+        self._acc = np.zeros(self.n_docs)  # float64 score accumulator, all-zero between queries
 
     def __len__(self):
         return self.n_docs
@@ -421,7 +425,17 @@ class Index:
         return self._field(i, 0)
 
     def search_one(self, query, k):
-        """Top-k (doc index, score) for one query string, best first, ties to the lower index."""
+        """Top-k (doc index, score) for one query string, best first, ties to the lower index.
+
+        Term at a time into a dense accumulator, with MaxScore pruning (Turtle and Flood 1995) so
+        that frequent words cost little: with each term's bound ub = count * its highest score,
+        theta0 = count * the k-th best score of the highest-ub term is a lower bound of the k-th
+        best total; the low-ub terms whose bounds sum to less than theta0 are "lazy": a document
+        that has none of the other terms scores below theta0, so only the other (eager) terms'
+        postings are scattered. Candidates whose partial score plus the lazy bounds stays below
+        the k-th best partial score are dropped; the rest look their lazy terms up by binary
+        search in the terms' doc-sorted postings. The bounds are strict (with 1e-6 of slack for
+        float32 sums), so the top k is exact."""
         counts = {}
         for w in self.analyzer(query):
             t = self.vocab.get(w)
@@ -429,22 +443,45 @@ class Index:
                 counts[t] = counts.get(t, 0) + 1
         if not counts or k <= 0:
             return []
+        terms = sorted(counts.items(), key=lambda tc: tc[1] * self.term_max[tc[0]])  # ub ascending
+        lazy_ub, n_lazy = 0.0, 0
+        if len(terms) > 1:
+            t, c = terms[-1]
+            lo, hi = self.indptr[t], self.indptr[t + 1]
+            theta0 = c * float(np.partition(self.scores[lo:hi], hi - lo - k)[hi - lo - k]) if hi - lo >= k else 0.0
+            while n_lazy < len(terms) - 1 and lazy_ub + terms[n_lazy][1] * self.term_max[terms[n_lazy][0]] \
+                    < theta0 * (1 - 1e-6):
+                lazy_ub += terms[n_lazy][1] * self.term_max[terms[n_lazy][0]]
+                n_lazy += 1
         acc, parts = self._acc, []
-        for t, c in counts.items():
+        for t, c in terms[n_lazy:]:
             lo, hi = self.indptr[t], self.indptr[t + 1]
             d = self.docs[lo:hi].astype(np.intp)  # (df,) each document once; intp: 2x faster indexing
-            np.add.at(acc, d, self.scores[lo:hi] if c == 1 else c * self.scores[lo:hi])
+            np.add.at(acc, d, self.scores[lo:hi].astype(np.float64) * c)  # one dtype: ufunc.at's fast path
             parts.append(d)
         cand = parts[0] if len(parts) == 1 else np.concatenate(parts)  # (P,) docs, repeats allowed
         vals = acc.take(cand)
         acc[cand] = 0.0
         m = k * len(parts)  # a document repeats at most len(parts) times in cand
-        if len(vals) > m:
-            thresh = np.partition(vals, len(vals) - m)[len(vals) - m]
-            keep = vals >= thresh  # all ties at the threshold stay in
-            cand, vals = cand[keep], vals[keep]
-        cand, first = np.unique(cand, return_index=True)
-        vals = vals[first]
+        if n_lazy:  # partial scores: keep what can still reach the k-th best partial score
+            cand, first = np.unique(cand, return_index=True)
+            vals = vals[first]
+            if len(vals) > k:
+                theta1 = np.partition(vals, len(vals) - k)[len(vals) - k]
+                keep = vals + lazy_ub >= theta1 * (1 - 1e-6)
+                cand, vals = cand[keep], vals[keep]
+            for t, c in terms[:n_lazy]:
+                lo, hi = self.indptr[t], self.indptr[t + 1]
+                i = np.minimum(np.searchsorted(self.docs[lo:hi], cand), hi - lo - 1)  # (C,)
+                hit = self.docs[lo:hi][i] == cand
+                vals[hit] += c * self.scores[lo:hi][i[hit]]
+        else:
+            if len(vals) > m:
+                thresh = np.partition(vals, len(vals) - m)[len(vals) - m]
+                keep = vals >= thresh  # all ties at the threshold stay in
+                cand, vals = cand[keep], vals[keep]
+            cand, first = np.unique(cand, return_index=True)
+            vals = vals[first]
         order = np.lexsort((cand, -vals))[:k]
         return list(zip(cand[order].tolist(), vals[order].tolist()))
 
