@@ -427,15 +427,14 @@ class Index:
     def search_one(self, query, k):
         """Top-k (doc index, score) for one query string, best first, ties to the lower index.
 
-        Term at a time into a dense accumulator, with MaxScore pruning (Turtle and Flood 1995) so
-        that frequent words cost little: with each term's bound ub = count * its highest score,
-        theta0 = count * the k-th best score of the highest-ub term is a lower bound of the k-th
-        best total; the low-ub terms whose bounds sum to less than theta0 are "lazy": a document
-        that has none of the other terms scores below theta0, so only the other (eager) terms'
-        postings are scattered. Candidates whose partial score plus the lazy bounds stays below
-        the k-th best partial score are dropped; the rest look their lazy terms up by binary
-        search in the terms' doc-sorted postings. The bounds are strict (with 1e-6 of slack for
-        float32 sums), so the top k is exact."""
+        Term at a time into a dense float64 accumulator, rarest term (highest bound) first, with
+        MaxScore pruning (Turtle and Flood 1995) so that frequent words cost little: each term's
+        bound is ub = count * its highest score; after each term, theta = a score that at least
+        k documents already reach (the k * terms-th best accumulated entry). Once the bounds of
+        the terms left sum below theta, no document outside the candidates can enter the top k:
+        those "lazy" terms are not scattered; the candidates that cannot reach theta even with
+        them are dropped, and the rest look them up by binary search in the terms' doc-sorted
+        postings. Bounds are strict (1e-6 of slack for float32 scores), so the top k is exact."""
         counts = {}
         for w in self.analyzer(query):
             t = self.vocab.get(w)
@@ -443,45 +442,38 @@ class Index:
                 counts[t] = counts.get(t, 0) + 1
         if not counts or k <= 0:
             return []
-        terms = sorted(counts.items(), key=lambda tc: tc[1] * self.term_max[tc[0]])  # ub ascending
-        lazy_ub, n_lazy = 0.0, 0
-        if len(terms) > 1:
-            t, c = terms[-1]
-            lo, hi = self.indptr[t], self.indptr[t + 1]
-            theta0 = c * float(np.partition(self.scores[lo:hi], hi - lo - k)[hi - lo - k]) if hi - lo >= k else 0.0
-            while n_lazy < len(terms) - 1 and lazy_ub + terms[n_lazy][1] * self.term_max[terms[n_lazy][0]] \
-                    < theta0 * (1 - 1e-6):
-                lazy_ub += terms[n_lazy][1] * self.term_max[terms[n_lazy][0]]
-                n_lazy += 1
-        acc, parts = self._acc, []
-        for t, c in terms[n_lazy:]:
+        ub = {t: c * self.term_max[t] for t, c in counts.items()}  # the most a term adds to a score
+        terms = sorted(counts.items(), key=lambda tc: -ub[tc[0]])  # highest bound (rarest) first
+        acc, parts, lazy_ub, theta = self._acc, [], sum(ub.values()), 0.0
+        for j, (t, c) in enumerate(terms):
+            if lazy_ub < theta * (1 - 1e-6):  # the terms left cannot lift a new document to the top k
+                break
             lo, hi = self.indptr[t], self.indptr[t + 1]
             d = self.docs[lo:hi].astype(np.intp)  # (df,) each document once; intp: 2x faster indexing
             np.add.at(acc, d, self.scores[lo:hi].astype(np.float64) * c)  # one dtype: ufunc.at's fast path
             parts.append(d)
+            lazy_ub -= ub[t]
+            m = k * len(parts)  # a document repeats at most len(parts) times among the parts
+            if j + 1 < len(terms) and sum(map(len, parts)) >= m:  # theta: >= k documents score at least this
+                cand = np.concatenate(parts)
+                vals = acc.take(cand)
+                theta = float(np.partition(vals, len(vals) - m)[len(vals) - m])
+        lazy = terms[len(parts):]
         cand = parts[0] if len(parts) == 1 else np.concatenate(parts)  # (P,) docs, repeats allowed
         vals = acc.take(cand)
         acc[cand] = 0.0
-        m = k * len(parts)  # a document repeats at most len(parts) times in cand
-        if n_lazy:  # partial scores: keep what can still reach the k-th best partial score
-            cand, first = np.unique(cand, return_index=True)
-            vals = vals[first]
-            if len(vals) > k:
-                theta1 = np.partition(vals, len(vals) - k)[len(vals) - k]
-                keep = vals + lazy_ub >= theta1 * (1 - 1e-6)
-                cand, vals = cand[keep], vals[keep]
-            for t, c in terms[:n_lazy]:
-                lo, hi = self.indptr[t], self.indptr[t + 1]
-                i = np.minimum(np.searchsorted(self.docs[lo:hi], cand), hi - lo - 1)  # (C,)
-                hit = self.docs[lo:hi][i] == cand
-                vals[hit] += c * self.scores[lo:hi][i[hit]]
-        else:
-            if len(vals) > m:
-                thresh = np.partition(vals, len(vals) - m)[len(vals) - m]
-                keep = vals >= thresh  # all ties at the threshold stay in
-                cand, vals = cand[keep], vals[keep]
-            cand, first = np.unique(cand, return_index=True)
-            vals = vals[first]
+        m = k * len(parts)
+        if len(vals) > m:  # the m-th best entry: k documents score at least that
+            thresh = np.partition(vals, len(vals) - m)[len(vals) - m]
+            keep = vals + lazy_ub >= thresh * (1 - 1e-6) if lazy else vals >= thresh  # ties stay in
+            cand, vals = cand[keep], vals[keep]
+        cand, first = np.unique(cand, return_index=True)
+        vals = vals[first]
+        for t, c in lazy:  # the survivors' lazy terms, by binary search in doc-sorted postings
+            lo, hi = self.indptr[t], self.indptr[t + 1]
+            i = np.minimum(np.searchsorted(self.docs[lo:hi], cand), hi - lo - 1)  # (C,)
+            hit = self.docs[lo:hi][i] == cand
+            vals[hit] += c * self.scores[lo:hi][i[hit]].astype(np.float64)
         order = np.lexsort((cand, -vals))[:k]
         return list(zip(cand[order].tolist(), vals[order].tolist()))
 
