@@ -429,8 +429,8 @@ class Index:
 
         Term at a time into a dense float64 accumulator, rarest term (highest bound) first, with
         MaxScore pruning (Turtle and Flood 1995) so that frequent words cost little: each term's
-        bound is ub = count * its highest score; after each term, theta = a score that at least
-        k documents already reach (the k * terms-th best accumulated entry). Once the bounds of
+        bound is ub = count * its highest score; before a long postings list, theta = a score that
+        at least k documents already reach (the k * terms-th best accumulated entry). Once the bounds of
         the terms left sum below theta, no document outside the candidates can enter the top k:
         those "lazy" terms are not scattered; the candidates that cannot reach theta even with
         them are dropped, and the rest look them up by binary search in the terms' doc-sorted
@@ -444,20 +444,20 @@ class Index:
             return []
         ub = {t: c * self.term_max[t] for t, c in counts.items()}  # the most a term adds to a score
         terms = sorted(counts.items(), key=lambda tc: -ub[tc[0]])  # highest bound (rarest) first
-        acc, parts, lazy_ub, theta = self._acc, [], sum(ub.values()), 0.0
-        for j, (t, c) in enumerate(terms):
-            if lazy_ub < theta * (1 - 1e-6):  # the terms left cannot lift a new document to the top k
-                break
+        acc, parts, lazy_ub, n_cand = self._acc, [], sum(ub.values()), 0
+        for t, c in terms:
             lo, hi = self.indptr[t], self.indptr[t + 1]
+            m = k * len(parts)  # a document repeats at most len(parts) times among the parts
+            if parts and hi - lo > 2 * n_cand and n_cand >= m:  # a long list next: is it still needed?
+                vals = acc.take(np.concatenate(parts))
+                theta = np.partition(vals, n_cand - m)[n_cand - m]  # >= k documents score at least this
+                if lazy_ub < theta * (1 - 1e-6):  # the terms left cannot lift a new document to the top k
+                    break
             d = self.docs[lo:hi].astype(np.intp)  # (df,) each document once; intp: 2x faster indexing
             np.add.at(acc, d, self.scores[lo:hi].astype(np.float64) * c)  # one dtype: ufunc.at's fast path
             parts.append(d)
             lazy_ub -= ub[t]
-            m = k * len(parts)  # a document repeats at most len(parts) times among the parts
-            if j + 1 < len(terms) and sum(map(len, parts)) >= m:  # theta: >= k documents score at least this
-                cand = np.concatenate(parts)
-                vals = acc.take(cand)
-                theta = float(np.partition(vals, len(vals) - m)[len(vals) - m])
+            n_cand += hi - lo
         lazy = terms[len(parts):]
         cand = parts[0] if len(parts) == 1 else np.concatenate(parts)  # (P,) docs, repeats allowed
         vals = acc.take(cand)
