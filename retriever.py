@@ -7,9 +7,13 @@ setting used), with k1 = 0.9 and b = 0.4 by default:
     score(q, d) = sum over distinct query terms t of count(t in q) * s(t, d)
 (repeated query words count once per occurrence, as Pyserini's bag-of-words query does).
 
-Analysis, identical for documents and queries: lowercase, words = the unicode pattern \\w+,
-Lucene's 33 English stopwords removed, NO stemming (Pyserini stems with Porter; we do not, so
-scores differ from Pyserini's on inflected words). dl counts the non-stopword tokens.
+Analysis, identical for documents and queries, Pyserini's default English analysis (Lucene's):
+lowercase, words = the unicode pattern \\w+, Lucene's 33 English stopwords removed, each word
+reduced to its Porter stem ("founder", "founded", "founding" -> "founder", "found", "found"; the
+algorithm is Porter 1980 with the two step-2 changes of Porter's reference code that Lucene's
+PorterStemFilter keeps). Each distinct word is analysed once (a cache), so a build costs about
+what it cost without stemming. `stem=False` at build skips stemming; meta.json records the
+analysis, and search applies the recorded one. dl counts the non-stopword tokens.
 
 The index is plain .npy arrays plus meta.json, memory-mapped at load (no pickle):
     postings by term (CSR): indptr (n_terms + 1), docs (int32), scores (float32, s(t, d) above)
@@ -26,7 +30,8 @@ that share a term with the query are returned, so k larger than the corpus retur
 ties are broken by lower document index; an empty corpus, a malformed line (file:line named),
 a duplicate document id (both lines named) and a missing or inconsistent index file are errors.
 
-Left out: stemming, phrase and field queries, dense retrieval, incremental index updates.
+Left out: Lucene's possessive filter ("paris's" gives the tokens paris and s here) and its
+tokenizer's finer rules, phrase and field queries, dense retrieval, incremental index updates.
 
     python retriever.py build CORPUS.jsonl INDEX_DIR
     python retriever.py search INDEX_DIR "who founded the city of Paris" [-k 3]
@@ -47,15 +52,130 @@ STOPWORDS = frozenset(
     "a an and are as at be but by for if in into is it no not of on or such that the their then "
     "there these they this to was will with".split())  # Lucene's EnglishAnalyzer list
 WORD = re.compile(r"\w+")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: meta.json records the analysis (1 had none and never stemmed)
 CHUNK_DOCS = 100_000  # documents per spilled postings run
-INDEX_FILES = {"meta.json", "indptr.npy", "docs.npy", "scores.npy", "doc_offsets.npy", "vocab_offsets.npy",
+INDEX_FILES = {"meta.json", "indptr.npy", "term_max.npy", "docs.npy", "scores.npy", "doc_offsets.npy", "vocab_offsets.npy",
                "docs.bin", "vocab.bin", "runs"}  # everything an index folder (or its build) holds
 
 
-def analyze(text):
-    """Lowercase unicode words, stopwords removed: the tokens BM25 sees."""
-    return [w for w in WORD.findall(text.lower()) if w not in STOPWORDS]
+# ----------------------------------------------------------------------------------------------
+# analysis: Lucene's English analysis as Pyserini runs it: lowercase words, stopwords, Porter
+
+def _consonant(w, i):
+    """Porter's consonant: not a, e, i, o, u, and not a y that follows a consonant."""
+    if w[i] in "aeiou":
+        return False
+    return w[i] != "y" or i == 0 or not _consonant(w, i - 1)
+
+
+def _measure(stem):
+    """m in Porter's [C](VC)^m[V]: the number of vowel-consonant sequences."""
+    kinds = "".join("c" if _consonant(stem, i) else "v" for i in range(len(stem)))
+    return kinds.count("vc")
+
+
+def _has_vowel(stem):
+    return any(not _consonant(stem, i) for i in range(len(stem)))
+
+
+def _double_consonant(w):
+    return len(w) >= 2 and w[-1] == w[-2] and _consonant(w, len(w) - 1)
+
+
+def _cvc(w):
+    """*o: ends consonant-vowel-consonant, the last not w, x or y (hop, not hoy)."""
+    return (len(w) >= 3 and _consonant(w, len(w) - 3) and not _consonant(w, len(w) - 2)
+            and _consonant(w, len(w) - 1) and w[-1] not in "wxy")
+
+
+# (suffix, replacement): the first suffix a word ends with is the only one tried, and it is
+# replaced when the measure of what precedes it is > 0 (step 2, 3) or > 1 (step 4). Lucene's
+# PorterStemmer (Porter's reference C code) departs from the 1980 paper in step 2: "bli" -> "ble"
+# (the paper: "abli" -> "able") and "logi" -> "log" (not in the paper).
+STEP2 = (("ational", "ate"), ("tional", "tion"), ("enci", "ence"), ("anci", "ance"), ("izer", "ize"),
+         ("bli", "ble"), ("alli", "al"), ("entli", "ent"), ("eli", "e"), ("ousli", "ous"),
+         ("ization", "ize"), ("ation", "ate"), ("ator", "ate"), ("alism", "al"), ("iveness", "ive"),
+         ("fulness", "ful"), ("ousness", "ous"), ("aliti", "al"), ("iviti", "ive"), ("biliti", "ble"),
+         ("logi", "log"))
+STEP3 = (("icate", "ic"), ("ative", ""), ("alize", "al"), ("iciti", "ic"), ("ical", "ic"), ("ful", ""),
+         ("ness", ""))
+STEP4 = ("al", "ance", "ence", "er", "ic", "able", "ible", "ant", "ement", "ment", "ent", "ion", "ou",
+         "ism", "ate", "iti", "ous", "ive", "ize")
+
+
+def _replace(w, rules, min_measure):
+    for suffix, repl in rules:
+        if w.endswith(suffix):
+            stem = w[:-len(suffix)]
+            if suffix == "ion" and not stem.endswith(("s", "t")):
+                continue  # step 4 removes -ion only after s or t
+            return stem + repl if _measure(stem) > min_measure else w
+    return w
+
+
+def porter_stem(w, step2=STEP2):
+    """Porter (1980) as Lucene's PorterStemFilter runs it, on one lowercase word."""
+    if len(w) <= 2:
+        return w
+    # step 1a: plurals
+    if w.endswith("sses") or w.endswith("ies"):
+        w = w[:-2]
+    elif w.endswith("s") and not w.endswith("ss"):
+        w = w[:-1]
+    # step 1b: -eed, -ed, -ing
+    if w.endswith("eed"):
+        if _measure(w[:-3]) > 0:
+            w = w[:-1]
+    elif (w.endswith("ed") and _has_vowel(w[:-2])) or (w.endswith("ing") and _has_vowel(w[:-3])):
+        w = w[:-2] if w.endswith("ed") else w[:-3]
+        if w.endswith(("at", "bl", "iz")):
+            w += "e"
+        elif _double_consonant(w) and w[-1] not in "lsz":
+            w = w[:-1]
+        elif _measure(w) == 1 and _cvc(w):
+            w += "e"
+    # step 1c: y -> i after a vowel in the stem
+    if w.endswith("y") and _has_vowel(w[:-1]):
+        w = w[:-1] + "i"
+    w = _replace(w, step2, 0)  # step 2: double suffixes
+    w = _replace(w, STEP3, 0)  # step 3: -ic-, -full, -ness
+    w = _replace(w, [(s, "") for s in STEP4], 1)  # step 4: -ant, -ence, ...
+    # step 5: a final -e, a final -ll
+    if w.endswith("e"):
+        m = _measure(w[:-1])
+        if m > 1 or (m == 1 and not _cvc(w[:-1])):
+            w = w[:-1]
+    if w.endswith("ll") and _measure(w) > 1:
+        w = w[:-1]
+    return w
+
+
+class Analyzer:
+    """text -> the tokens BM25 sees: lowercase \\w+ words, Lucene's 33 stopwords removed, then
+    (stem=True) the Porter stem. Each distinct word is stemmed once (a cache)."""
+
+    def __init__(self, stem=True):
+        self.stem = stem
+        self.cache = {}  # word -> stem, or None for a stopword
+
+    def word(self, w):
+        t = self.cache.get(w, "")
+        if t == "":
+            t = self.cache[w] = None if w in STOPWORDS else porter_stem(w) if self.stem else w
+        return t
+
+    def __call__(self, text):
+        return [t for t in map(self.word, WORD.findall(text.lower())) if t is not None]
+
+    def describe(self):
+        """What the index records as its analysis."""
+        return dict(lowercase=True, token=WORD.pattern, stopwords="lucene-english-33",
+                    stemmer="porter" if self.stem else None)
+
+
+def analyze(text, stem=True):
+    """The tokens BM25 sees (see Analyzer); a new cache each call: use an Analyzer for many texts."""
+    return Analyzer(stem)(text)
 
 
 def format_docs(docs):
@@ -106,11 +226,11 @@ def _ours(path):
     return not os.path.exists(path) or (os.path.isdir(path) and set(os.listdir(path)) <= INDEX_FILES)
 
 
-def build_index(corpus_path, index_dir, k1=0.9, b=0.4, chunk_docs=CHUNK_DOCS):
+def build_index(corpus_path, index_dir, k1=0.9, b=0.4, stem=True, chunk_docs=CHUNK_DOCS):
     """Stream `corpus_path` into a BM25 index folder `index_dir`: written as INDEX_DIR.tmp, then
     swapped in by renames (an old index goes to INDEX_DIR.old first, removed last), so at every
     instant a whole index is at INDEX_DIR or INDEX_DIR.old. A path holding anything but index
-    files is refused, never deleted."""
+    files is refused, never deleted. stem=False: no Porter stemming (the analysis is recorded)."""
     index_dir = index_dir.rstrip("/")
     tmp, old = index_dir + ".tmp", index_dir + ".old"
     for path in (index_dir, tmp, old):
@@ -122,7 +242,14 @@ def build_index(corpus_path, index_dir, k1=0.9, b=0.4, chunk_docs=CHUNK_DOCS):
         raise FileNotFoundError(f"{corpus_path}: corpus file not found")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(os.path.join(tmp, "runs"))
-    vocab = dict.fromkeys(STOPWORDS, -1)  # term -> id; stopwords map to -1 and are dropped
+    analyzer = Analyzer(stem)
+    vocab = {}  # term (a stem) -> id
+    word_ids = dict.fromkeys(STOPWORDS, -1)  # word -> its term's id; -1: a stopword, dropped
+
+    def new_word(w):  # once per distinct word: analyse it
+        t = analyzer.word(w)
+        word_ids[w] = i = -1 if t is None else vocab.setdefault(t, len(vocab))
+        return i
     doc_len, doc_off, id_hash = [], array.array("q", [0]), array.array("q")  # 8 bytes per entry
     n_runs, n_docs = 0, 0
     chunk_terms, chunk_lens = [], []
@@ -134,7 +261,7 @@ def build_index(corpus_path, index_dir, k1=0.9, b=0.4, chunk_docs=CHUNK_DOCS):
                 doc_off.append(doc_off[-1] + len(data))
             id_hash.append(int.from_bytes(hashlib.blake2b(doc_id.encode(), digest_size=8).digest(), "little", signed=True))
             words = WORD.findall(f"{title} {text}".lower())
-            ids = [vocab.setdefault(w, len(vocab) - len(STOPWORDS)) for w in words]
+            ids = [word_ids[w] if w in word_ids else new_word(w) for w in words]
             ids = [i for i in ids if i >= 0]
             chunk_terms.extend(ids)
             chunk_lens.append(len(ids))
@@ -151,7 +278,7 @@ def build_index(corpus_path, index_dir, k1=0.9, b=0.4, chunk_docs=CHUNK_DOCS):
     _check_unique_ids(np.frombuffer(id_hash, dtype=np.int64), corpus_path, tmp, np.frombuffer(doc_off, dtype=np.int64))
 
     dl = np.concatenate(doc_len).astype(np.float32)  # (N,)
-    n_terms = len(vocab) - len(STOPWORDS)
+    n_terms = len(vocab)
     df = np.zeros(n_terms, dtype=np.int64)
     for k in range(n_runs):
         run = np.load(os.path.join(tmp, "runs", f"run{k}.npy"), mmap_mode="r")
@@ -165,6 +292,7 @@ def build_index(corpus_path, index_dir, k1=0.9, b=0.4, chunk_docs=CHUNK_DOCS):
     docs = np.lib.format.open_memmap(os.path.join(tmp, "docs.npy"), "w+", np.int32, (n_post,))
     scores = np.lib.format.open_memmap(os.path.join(tmp, "scores.npy"), "w+", np.float32, (n_post,))
     fill = indptr[:-1].copy()  # next write position per term
+    term_max = np.zeros(n_terms, dtype=np.float32)  # each term's highest score: MaxScore's bound
     for k in tqdm(range(n_runs), desc="merge", unit=" runs"):
         path = os.path.join(tmp, "runs", f"run{k}.npy")
         t, d, tf = np.load(path)  # each (P,), sorted by term
@@ -173,7 +301,8 @@ def build_index(corpus_path, index_dir, k1=0.9, b=0.4, chunk_docs=CHUNK_DOCS):
         pos = fill[t] + (np.arange(len(t)) - starts[t])  # (P,) destination in the CSR arrays
         tf = tf.astype(np.float32)
         docs[pos] = d
-        scores[pos] = idf[t] * tf * (k1 + 1) / (tf + norm[d])
+        scores[pos] = run_scores = idf[t] * tf * (k1 + 1) / (tf + norm[d])
+        np.maximum.at(term_max, t, run_scores)
         fill += counts
         os.remove(path)
     docs.flush()
@@ -181,13 +310,14 @@ def build_index(corpus_path, index_dir, k1=0.9, b=0.4, chunk_docs=CHUNK_DOCS):
     del docs, scores
     os.rmdir(os.path.join(tmp, "runs"))
     np.save(os.path.join(tmp, "indptr.npy"), indptr)
+    np.save(os.path.join(tmp, "term_max.npy"), term_max)
     np.save(os.path.join(tmp, "doc_offsets.npy"), np.frombuffer(doc_off, dtype=np.int64))
-    terms = sorted(((i, w) for w, i in vocab.items() if i >= 0))
+    terms = sorted((i, w) for w, i in vocab.items())
     blob = [w.encode("utf-8") for _, w in terms]
     np.save(os.path.join(tmp, "vocab_offsets.npy"), np.cumsum([0] + [len(x) for x in blob]).astype(np.int64))
     with open(os.path.join(tmp, "vocab.bin"), "wb") as f:
         f.write(b"".join(blob))
-    meta = dict(format=FORMAT_VERSION, k1=k1, b=b, n_docs=n_docs, n_terms=n_terms, n_postings=n_post,
+    meta = dict(format=FORMAT_VERSION, analysis=analyzer.describe(), k1=k1, b=b, n_docs=n_docs, n_terms=n_terms, n_postings=n_post,
                 avgdl=avgdl, corpus=os.path.abspath(corpus_path))
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
@@ -240,14 +370,18 @@ class Index:
             with open(meta_path) as f:
                 self.meta = meta = json.load(f)
             if meta.get("format") != FORMAT_VERSION:
-                raise ValueError(f"index format {meta.get('format')}, expected {FORMAT_VERSION}: rebuild it")
+                raise ValueError(f"index format {meta.get('format')}, expected {FORMAT_VERSION} (format 1 records no "
+                                 "analysis and never stemmed): rebuild it with `python retriever.py build "
+                                 f"{meta.get('corpus', 'CORPUS.jsonl')} {index_dir}`")
+            if meta.get("analysis", {}).get("stemmer") not in ("porter", None):
+                raise ValueError(f"unknown stemmer {meta['analysis'].get('stemmer')!r}")
             for key in ("n_terms", "n_postings", "n_docs"):
                 if not isinstance(meta.get(key), int):
                     raise ValueError(f"field {key!r} missing or not an integer")
         except (json.JSONDecodeError, AttributeError, ValueError) as e:
             raise ValueError(f"{meta_path}: not a valid index meta.json ({e})") from None
         arrays = {}
-        want = {"indptr": meta["n_terms"] + 1, "docs": meta["n_postings"], "scores": meta["n_postings"],
+        want = {"indptr": meta["n_terms"] + 1, "term_max": meta["n_terms"], "docs": meta["n_postings"], "scores": meta["n_postings"],
                 "doc_offsets": 3 * meta["n_docs"] + 1, "vocab_offsets": meta["n_terms"] + 1}
         for name, n in want.items():
             path = os.path.join(index_dir, name + ".npy")
@@ -258,6 +392,7 @@ class Index:
             if arrays[name].shape != (n,):
                 raise ValueError(f"{path}: shape {arrays[name].shape}, meta.json says ({n},)")
         self.indptr = np.asarray(arrays["indptr"])
+        self.term_max = np.asarray(arrays["term_max"]).tolist()  # floats: MaxScore's per-term bounds
         # plain ndarray views of the maps (no copy): slicing a np.memmap costs a subclass hook per call
         self.docs, self.scores = np.asarray(arrays["docs"]), np.asarray(arrays["scores"])
         self.doc_offsets = arrays["doc_offsets"]
@@ -272,7 +407,8 @@ class Index:
         vo = arrays["vocab_offsets"].tolist()
         self.vocab = {raw[vo[i]:vo[i + 1]].decode("utf-8"): i for i in range(meta["n_terms"])}
         self.n_docs = meta["n_docs"]
-        self._acc = np.zeros(self.n_docs, dtype=np.float32)  # score accumulator, all-zero between queries
+        self.analyzer = Analyzer(stem=meta["analysis"]["stemmer"] == "porter")  # the build's analysis
+        self._acc = np.zeros(self.n_docs)  # float64 score accumulator, all-zero between queries
 
     def __len__(self):
         return self.n_docs
@@ -289,30 +425,55 @@ class Index:
         return self._field(i, 0)
 
     def search_one(self, query, k):
-        """Top-k (doc index, score) for one query string, best first, ties to the lower index."""
+        """Top-k (doc index, score) for one query string, best first, ties to the lower index.
+
+        Term at a time into a dense float64 accumulator, rarest term (highest bound) first, with
+        MaxScore pruning (Turtle and Flood 1995) so that frequent words cost little: each term's
+        bound is ub = count * its highest score; before a long postings list, theta = a score that
+        at least k documents already reach (the k * terms-th best accumulated entry). Once the bounds of
+        the terms left sum below theta, no document outside the candidates can enter the top k:
+        those "lazy" terms are not scattered; the candidates that cannot reach theta even with
+        them are dropped, and the rest look them up by binary search in the terms' doc-sorted
+        postings. Bounds are strict (1e-6 of slack for float32 scores), so the top k is exact."""
         counts = {}
-        for w in analyze(query):
+        for w in self.analyzer(query):
             t = self.vocab.get(w)
             if t is not None:
                 counts[t] = counts.get(t, 0) + 1
         if not counts or k <= 0:
             return []
-        acc, parts = self._acc, []
-        for t, c in counts.items():
+        ub = {t: c * self.term_max[t] for t, c in counts.items()}  # the most a term adds to a score
+        terms = sorted(counts.items(), key=lambda tc: -ub[tc[0]])  # highest bound (rarest) first
+        acc, parts, lazy_ub, n_cand = self._acc, [], sum(ub.values()), 0
+        for t, c in terms:
             lo, hi = self.indptr[t], self.indptr[t + 1]
+            m = k * len(parts)  # a document repeats at most len(parts) times among the parts
+            if parts and hi - lo > 2 * n_cand and n_cand >= m:  # a long list next: is it still needed?
+                vals = acc.take(np.concatenate(parts))
+                theta = np.partition(vals, n_cand - m)[n_cand - m]  # >= k documents score at least this
+                if lazy_ub < theta * (1 - 1e-6):  # the terms left cannot lift a new document to the top k
+                    break
             d = self.docs[lo:hi].astype(np.intp)  # (df,) each document once; intp: 2x faster indexing
-            np.add.at(acc, d, self.scores[lo:hi] if c == 1 else c * self.scores[lo:hi])
+            np.add.at(acc, d, self.scores[lo:hi].astype(np.float64) * c)  # one dtype: ufunc.at's fast path
             parts.append(d)
+            lazy_ub -= ub[t]
+            n_cand += hi - lo
+        lazy = terms[len(parts):]
         cand = parts[0] if len(parts) == 1 else np.concatenate(parts)  # (P,) docs, repeats allowed
         vals = acc.take(cand)
         acc[cand] = 0.0
-        m = k * len(parts)  # a document repeats at most len(parts) times in cand
-        if len(vals) > m:
+        m = k * len(parts)
+        if len(vals) > m:  # the m-th best entry: k documents score at least that
             thresh = np.partition(vals, len(vals) - m)[len(vals) - m]
-            keep = vals >= thresh  # all ties at the threshold stay in
+            keep = vals + lazy_ub >= thresh * (1 - 1e-6) if lazy else vals >= thresh  # ties stay in
             cand, vals = cand[keep], vals[keep]
         cand, first = np.unique(cand, return_index=True)
         vals = vals[first]
+        for t, c in lazy:  # the survivors' lazy terms, by binary search in doc-sorted postings
+            lo, hi = self.indptr[t], self.indptr[t + 1]
+            i = np.minimum(np.searchsorted(self.docs[lo:hi], cand), hi - lo - 1)  # (C,)
+            hit = self.docs[lo:hi][i] == cand
+            vals[hit] += c * self.scores[lo:hi][i[hit]].astype(np.float64)
         order = np.lexsort((cand, -vals))[:k]
         return list(zip(cand[order].tolist(), vals[order].tolist()))
 
@@ -333,13 +494,14 @@ def main():
     b.add_argument("index_dir")
     b.add_argument("--k1", type=float, default=0.9)
     b.add_argument("--b", type=float, default=0.4)
+    b.add_argument("--no-stem", action="store_true", help="no Porter stemming (recorded in meta.json)")
     s = sub.add_parser("search")
     s.add_argument("index_dir")
     s.add_argument("query")
     s.add_argument("-k", type=int, default=3)
     args = ap.parse_args()
     if args.cmd == "build":
-        print(json.dumps(build_index(args.corpus, args.index_dir, args.k1, args.b)))
+        print(json.dumps(build_index(args.corpus, args.index_dir, args.k1, args.b, stem=not args.no_stem)))
     else:
         index = load_index(args.index_dir)
         hits = index.search([args.query], args.k)[0]

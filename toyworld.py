@@ -142,7 +142,9 @@ def write_world(out_dir, seed):
     train, test = make_questions(world, seed)
     for name, rows in (("corpus", corpus_records(world)), ("train", train), ("test", test)):
         write_atomic(os.path.join(out_dir, name + ".jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
-    R.build_index(os.path.join(out_dir, "corpus.jsonl"), os.path.join(out_dir, "index"))
+    # no stemming: the analysis the shipped backbone was trained with (its warm-start trajectories
+    # hold this index's search results)
+    R.build_index(os.path.join(out_dir, "corpus.jsonl"), os.path.join(out_dir, "index"), stem=False)
     write_atomic(os.path.join(out_dir, "world.json"), json.dumps(dict(seed=seed)))  # last: marks a finished world
     return world, train, test
 
