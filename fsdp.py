@@ -18,6 +18,9 @@ optimizer is saved per rank with torch.distributed.checkpoint (`save_optimizer` 
 
 Left out: CPU offload of parameters or optimizer state, tensor or sequence parallelism, hybrid
 sharding across nodes (a 2-D device mesh), float8.
+
+    torchrun --nproc_per_node=8 evolve.py ...          # evolve.py calls shard() when distributed
+    python -m pytest tests/test_fsdp.py                 # 2 gloo ranks on CPU against 1 process
 """
 
 import contextlib

@@ -470,10 +470,14 @@ class Index:
         cand, first = np.unique(cand, return_index=True)
         vals = vals[first]
         for t, c in lazy:  # the survivors' lazy terms, by binary search in doc-sorted postings
+            if len(vals) > k:  # drop what cannot reach the k-th best partial score, bounds left added
+                keep = vals + lazy_ub >= np.partition(vals, len(vals) - k)[len(vals) - k] * (1 - 1e-6)
+                cand, vals = cand[keep], vals[keep]
             lo, hi = self.indptr[t], self.indptr[t + 1]
             i = np.minimum(np.searchsorted(self.docs[lo:hi], cand), hi - lo - 1)  # (C,)
             hit = self.docs[lo:hi][i] == cand
             vals[hit] += c * self.scores[lo:hi][i[hit]].astype(np.float64)
+            lazy_ub -= ub[t]
         order = np.lexsort((cand, -vals))[:k]
         return list(zip(cand[order].tolist(), vals[order].tolist()))
 
