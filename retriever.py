@@ -16,7 +16,9 @@ what it cost without stemming. `stem=False` at build skips stemming; meta.json r
 analysis, and search applies the recorded one. dl counts the non-stopword tokens.
 
 The index is plain .npy arrays plus meta.json, memory-mapped at load (no pickle):
-    postings by term (CSR): indptr (n_terms + 1), docs (int32), scores (float32, s(t, d) above)
+    postings by term (CSR): indptr (n_terms + 1), docs (int32, ascending within a term),
+    scores (float32, s(t, d) above); term_max (n_terms): each term's highest s(t, d), the bound
+    that search's MaxScore pruning uses (see Index.search_one)
     vocabulary: one utf-8 blob + offsets; documents: one utf-8 blob (id, title, text) + offsets.
 It is built in bounded memory: the corpus is streamed in chunks, each chunk's sorted postings
 are spilled to disk, then merged into the CSR arrays; memory grows with the vocabulary and the
