@@ -2,8 +2,10 @@
 
 The step tests run tests/sharded_steps.py (3 GRPO steps and an OFSD round on fixed trajectories
 and pairs) once per layout and compare what rank 0 saved. Tolerances are the measured gaps with
-some room: float32 on 2 ranks vs 1 process, losses 1e-7 and weights 6e-6 (measured 8e-8, 6e-6:
-the sum over ranks changes the float order); bfloat16 compute vs float32, losses 0.05, weights
+some room: float32 on 2 ranks vs 1 process, losses and gradient norms within 1e-5 relative,
+weights 2e-5 after GRPO and 5e-5 after OFSD (measured 8e-8 to 5e-7 on losses, 3.5e-6 relative on
+a gradient norm of 18, 7.6e-7 and 5.9e-6 on weights, depending on the session's tiny agent: the
+sum over ranks changes the float order); bfloat16 compute vs float32, losses 0.05, weights
 after GRPO 0.01 (measured 0.044, 0.0059: three AdamW steps of lr 1e-3 each move a weight by at
 most ~1e-3, so a gap of a few lr means a few gradient signs differ).
 """
@@ -53,16 +55,17 @@ def test_two_ranks_grpo_matches_one_process(steps):
     one, two = steps["one"], steps["two"]
     for a, b in zip(one["steps"], two["steps"]):
         assert a["tokens"] == b["tokens"] and a["clip_frac"] == b["clip_frac"]
-        assert abs(a["loss"] - b["loss"]) < 1e-6 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-5
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * max(1.0, abs(a["loss"]))
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * max(1.0, a["grad_norm"])
     assert one["steps"][2]["clip_frac"] > 0  # the later updates are clipped: the ratio path is exercised
-    assert max_diff(one["after_grpo"], two["after_grpo"]) < 6e-6
+    assert max_diff(one["after_grpo"], two["after_grpo"]) < 2e-5
 
 
 def test_two_ranks_ofsd_matches_one_process(steps):
     """An OFSD round (LoRA on the sharded base, teacher pass with it off, merge) matches 1 process."""
     one, two = steps["one"], steps["two"]
-    assert max(abs(a - b) for a, b in zip(one["ofsd"]["losses"], two["ofsd"]["losses"])) < 1e-6
-    assert max_diff(one["after_ofsd"], two["after_ofsd"]) < 2e-5
+    assert max(abs(a - b) for a, b in zip(one["ofsd"]["losses"], two["ofsd"]["losses"])) < 1e-5
+    assert max_diff(one["after_ofsd"], two["after_ofsd"]) < 5e-5
     assert max_diff(one["after_grpo"], one["after_ofsd"]) > 1e-3  # the merge changed the weights
 
 
