@@ -212,6 +212,7 @@ def main():
         print("\n" + table)
         write_file(os.path.join(out_dir, "results.md"), table + "\n")
     if dist.is_initialized():
+        dist.barrier()  # no rank tears its group down while another still talks to it (gloo aborts)
         dist.destroy_process_group()
 
 

@@ -78,6 +78,7 @@ def worker(model_dir, out):
         with open(out, "w") as f:
             json.dump(held, f)
     if dist.is_initialized():
+        dist.barrier()  # no rank tears its group down while another still talks to it (gloo aborts)
         dist.destroy_process_group()
 
 
