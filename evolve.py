@@ -198,7 +198,7 @@ def main():
             results = EV.evaluate(policy, tokenizer, index, test[rank::world_size], batch=eval_batch,
                                   max_turns=max_turns, top_k=top_k, max_turn_tokens=max_turn_tokens,
                                   max_obs_tokens=max_obs_tokens)
-        summary = EV.summarize(gather(results), "type")
+        summary = EV.summarize(FS.all_ranks(results), "type")
         row.update(summary=summary, grpo_steps=state["step"], seconds=time.time() - t0)
         state["results"].append(row)
         record(dict(kind="eval", **row), eval_line(row))
@@ -296,15 +296,6 @@ def setup_device(device, dtype):
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     return rank, world_size, dev, dt
-
-
-def gather(items):
-    """Every rank's list, concatenated (rank 0's first); the list itself in one process."""
-    if not dist.is_initialized():
-        return items
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, items)
-    return [x for part in out for x in part]
 
 
 def grpo_line(m, it):

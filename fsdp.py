@@ -108,11 +108,16 @@ def state_bytes(model, optimizer, reference):
     mine = dict(params=size(params), grads=size(p.grad for p in params),
                 optimizer=size(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)),
                 reference=size(reference.parameters()))
+    return all_ranks([mine])
+
+
+def all_ranks(items):
+    """Every rank's list, concatenated in rank order (the list itself in one process; collective)."""
     if not dist.is_initialized():
-        return [mine]
+        return items
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, mine)
-    return out
+    dist.all_gather_object(out, items)
+    return [x for part in out for x in part]
 
 
 def full_state_dict(model):

@@ -141,11 +141,9 @@ def ofsd_round(policy, tokenizer, index, questions, *, group_size, rollout_args,
     mined = [(ref, stu, wrong, golds[stu.question])
              for ref, stu, wrong in mine_pairs(trajs, em_rewards(trajs, questions, group_size), group_size)
              if wrong or students == "any"]
-    if dist.is_initialized():  # every rank distills all ranks' pairs (the round is cheap; sharded
-        # weights are all-gathered layer by layer, so every rank must run the same passes)
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mined)
-        mined = [p for ps in gathered for p in ps]
+    # every rank distills all ranks' pairs (the round is cheap; sharded weights are all-gathered
+    # layer by layer, so every rank must run the same passes)
+    mined = FS.all_ranks(mined)
     pairs = [(ref, stu, wrong) for ref, stu, wrong, _ in mined]
     before = mined_diagnostics(policy, tokenizer, index, mined, rollout_args, tau_clip, kl_chunk) if mined else {}
     metrics = distill(policy, tokenizer, pairs, lora_rank=lora_rank, lora_alpha=lora_alpha, lr=lr,

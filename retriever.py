@@ -160,10 +160,14 @@ class Analyzer:
         self.stem = stem
         self.cache = {}  # word -> stem, or None for a stopword
 
+    def term(self, w):
+        """One lowercase word's term, or None for a stopword (not cached)."""
+        return None if w in STOPWORDS else porter_stem(w) if self.stem else w
+
     def word(self, w):
         t = self.cache.get(w, "")
         if t == "":
-            t = self.cache[w] = None if w in STOPWORDS else porter_stem(w) if self.stem else w
+            t = self.cache[w] = self.term(w)
         return t
 
     def __call__(self, text):
@@ -248,8 +252,8 @@ def build_index(corpus_path, index_dir, k1=0.9, b=0.4, stem=True, chunk_docs=CHU
     vocab = {}  # term (a stem) -> id
     word_ids = dict.fromkeys(STOPWORDS, -1)  # word -> its term's id; -1: a stopword, dropped
 
-    def new_word(w):  # once per distinct word: analyse it
-        t = analyzer.word(w)
+    def new_word(w):  # once per distinct word: analyse it (word_ids is the cache here)
+        t = analyzer.term(w)
         word_ids[w] = i = -1 if t is None else vocab.setdefault(t, len(vocab))
         return i
     doc_len, doc_off, id_hash = [], array.array("q", [0]), array.array("q")  # 8 bytes per entry
