@@ -5,15 +5,28 @@ random lowercase strings, Lucene's 33 stopwords as the most frequent words), pas
 words, FlashRAG JSON lines. Queries: 1,000, each 4-8 words drawn from a random passage (so they
 match documents the way questions do). Each system runs in its own process; the table gives
 index build time, peak resident memory of that process, and single-process queries/s for top-10
-(one thread). Then the top-10 of ours is checked against a float64 brute-force BM25 written here.
+(one thread), from the query strings: bm25s is handed the tokens of retriever.py's analysis
+(Porter stems), and that analysis is timed for both. Then the top-10 of each system is checked
+against a float64 brute-force BM25 written here (--check queries).
 
 With --heavy-head the 50 most frequent words are not stopwords (real questions keep frequent
 non-stopwords such as "what", "who", "first", whose postings cover much of the corpus).
 
+With --real, real text from two registry packages instead: the passages are gensim's test copy
+of an English Wikipedia dump (206 articles), its markup removed by gensim's own `filter_wiki`,
+cut into 100-word passages titled by their article as wiki-18's are; the queries are the 2,503
+questions of FanOutQA's dev set (each question and every sub-question of its decomposition),
+which the `fanoutqa` package ships.
+
+    pip install bm25s numba gensim && pip install --no-deps fanoutqa   # the peers and the real text
     python bench/bench_retriever.py [--docs 225000] [--queries 1000] [--skip-bm25s] [--heavy-head]
+    python bench/bench_retriever.py --real --check 2503
+    python bench/bench_retriever.py --docs 2000000 --heavy-head --skip-bm25s-numpy --check 0
 """
 
 import argparse
+import bz2
+import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -53,6 +66,33 @@ def make_corpus(path, n_docs, seed=0, vocab_size=300_000, heavy_head=False):
     return queries
 
 
+def real_corpus(path):
+    """Wikipedia passages (gensim's test dump) and FanOutQA's dev questions, both from packages."""
+    from gensim.corpora.wikicorpus import extract_pages, filter_wiki
+    where = {m: importlib.util.find_spec(m).submodule_search_locations[0] for m in ("gensim", "fanoutqa")}
+    dump = os.path.join(where["gensim"], "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2")
+    n = 0
+    with open(path, "w") as f:
+        for title, text, page in extract_pages(bz2.open(dump), filter_namespaces=("0",)):
+            if text.lower().startswith("#redirect"):
+                continue
+            words = filter_wiki(text).split()
+            for i in range(0, len(words), 100):  # 100-word passages, as wiki-18's
+                f.write(json.dumps({"id": f"{page}-{i // 100}", "contents": f'"{title}"\n' + " ".join(words[i:i + 100])}) + "\n")
+                n += 1
+    questions = []
+
+    def walk(q):  # a question, then each sub-question of its decomposition
+        questions.append(q["question"])
+        for sub in q.get("decomposition") or []:
+            walk(sub)
+
+    with open(os.path.join(where["fanoutqa"], "data/fanout-final-dev.json")) as f:
+        for q in json.load(f):
+            walk(q)
+    return n, questions
+
+
 def peak_rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -80,9 +120,10 @@ def run_bm25s(corpus, queries, backend, q):
     ret.index(tokens, show_progress=False)
     build = time.perf_counter() - t0
     del tokens
-    qt = [analyze(s) for s in queries]
-    ret.retrieve(qt[:50], k=10, show_progress=False, n_threads=1)  # warm-up (numba compiles)
+    analyze = R.Analyzer()  # a fresh cache for the queries, as the index's own analyzer starts
+    ret.retrieve([analyze(s) for s in queries[:50]], k=10, show_progress=False, n_threads=1)  # warm-up (numba compiles)
     t0 = time.perf_counter()
+    qt = [analyze(s) for s in queries]  # timed: both systems go from the query strings to the top 10
     docs, _ = ret.retrieve(qt, k=10, show_progress=False, n_threads=1)
     qps = len(queries) / (time.perf_counter() - t0)
     q.put((f"bm25s ({backend})", build, peak_rss_mb(), qps, docs.tolist(), None))
@@ -123,12 +164,16 @@ def main():
     ap.add_argument("--skip-bm25s", action="store_true")
     ap.add_argument("--skip-bm25s-numpy", action="store_true", help="bm25s-numba only (numpy takes long at 2M)")
     ap.add_argument("--heavy-head", action="store_true", help="the 50 most frequent words are not stopwords")
+    ap.add_argument("--real", action="store_true", help="Wikipedia passages and FanOutQA questions (see above)")
     ap.add_argument("--check", type=int, default=200, help="queries checked against brute force")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp()
     corpus = os.path.join(tmp, "corpus.jsonl")
     t0 = time.perf_counter()
-    queries = make_corpus(corpus, args.docs, heavy_head=args.heavy_head)[: args.queries]
+    if args.real:
+        args.docs, queries = real_corpus(corpus)
+    else:
+        queries = make_corpus(corpus, args.docs, heavy_head=args.heavy_head)[: args.queries]
     print(f"corpus: {args.docs:,} passages, {os.path.getsize(corpus) / 1e6:.0f} MB, made in "
           f"{time.perf_counter() - t0:.0f}s", file=sys.stderr)
     ctx = mp.get_context("spawn")
