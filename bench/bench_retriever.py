@@ -28,6 +28,7 @@ import argparse
 import bz2
 import importlib.util
 import json
+import math
 import multiprocessing as mp
 import os
 import resource
@@ -35,6 +36,7 @@ import string
 import sys
 import tempfile
 import time
+from collections import Counter
 
 import numpy as np
 
@@ -130,30 +132,31 @@ def run_bm25s(corpus, queries, backend, q):
 
 
 def brute_force_top10(corpus, queries, k1=0.9, b=0.4):
-    """Float64 BM25 over a doc-term matrix built here from the token lists, full sort per query."""
-    vocab, rows, cols, analyze = {}, [], [], R.Analyzer()
+    """Float64 BM25 written from the formula: two streaming passes over the corpus (document
+    lengths and document frequencies, then every document's score for every query), then a full
+    sort per query. Memory is one float64 per (query, document), never the corpus."""
+    analyze = R.Analyzer()
+    qcount = [Counter(analyze(s)) for s in queries]
+    wanted = set().union(*qcount)
+    dl, df = [], Counter()
+    for _, _, t, x in R.read_corpus(corpus):
+        toks = analyze(f"{t} {x}")
+        dl.append(len(toks))
+        df.update(wanted.intersection(toks))
+    n, avgdl = len(dl), sum(dl) / len(dl)
+    idf = {w: math.log(1 + (n - df[w] + 0.5) / (df[w] + 0.5)) for w in wanted}
+    score = np.zeros((len(queries), n))
     for d, (_, _, t, x) in enumerate(R.read_corpus(corpus)):
-        for w in analyze(f"{t} {x}"):
-            rows.append(d)
-            cols.append(vocab.setdefault(w, len(vocab)))
-    rows, cols = np.array(rows), np.array(cols)
-    n = rows.max() + 1
-    dl = np.bincount(rows, minlength=n).astype(np.float64)
-    order = np.lexsort((rows, cols))
-    rows, cols = rows[order], cols[order]
+        tf = Counter(w for w in analyze(f"{t} {x}") if w in wanted)
+        for w, f in sorted(tf.items()):  # one order for every document: true ties stay exact ties
+            s = idf[w] * f * (k1 + 1) / (f + k1 * (1 - b + b * dl[d] / avgdl))
+            for i, qc in enumerate(qcount):
+                if w in qc:
+                    score[i, d] += qc[w] * s
     out = []
-    for qs in queries:
-        score = np.zeros(n)
-        for w in analyze(qs):
-            if w not in vocab:
-                continue
-            lo, hi = np.searchsorted(cols, [vocab[w], vocab[w] + 1])
-            tf = np.bincount(rows[lo:hi], minlength=n).astype(np.float64)
-            df = np.count_nonzero(tf)
-            idf = np.log(1 + (n - df + 0.5) / (df + 0.5))
-            score += idf * tf * (k1 + 1) / (tf + k1 * (1 - b + b * dl / dl.mean()))
-        top = np.lexsort((np.arange(n), -score))[:10]
-        out.append([int(i) for i in top if score[i] > 0])
+    for row in score:
+        top = np.lexsort((np.arange(n), -row))[:10]
+        out.append([int(i) for i in top if row[i] > 0])
     return out
 
 
