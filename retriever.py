@@ -484,6 +484,9 @@ class Index:
             hit = self.docs[lo:hi][i] == cand
             vals[hit] += c * self.scores[lo:hi][i[hit]].astype(np.float64)
             lazy_ub -= ub[t]
+        if len(vals) > k:  # the k best and their ties, before the sort
+            keep = vals >= np.partition(vals, len(vals) - k)[len(vals) - k]
+            cand, vals = cand[keep], vals[keep]
         order = np.lexsort((cand, -vals))[:k]
         return list(zip(cand[order].tolist(), vals[order].tolist()))
 
