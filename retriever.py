@@ -480,7 +480,8 @@ class Index:
                 keep = vals + lazy_ub >= np.partition(vals, len(vals) - k)[len(vals) - k] * (1 - 1e-6)
                 cand, vals = cand[keep], vals[keep]
             lo, hi = self.indptr[t], self.indptr[t + 1]
-            i = np.minimum(np.searchsorted(self.docs[lo:hi], cand), hi - lo - 1)  # (C,)
+            # (C,) the needles in the postings' own dtype: mixed dtypes would cast the whole list
+            i = np.minimum(np.searchsorted(self.docs[lo:hi], cand.astype(self.docs.dtype)), hi - lo - 1)
             hit = self.docs[lo:hi][i] == cand
             vals[hit] += c * self.scores[lo:hi][i[hit]].astype(np.float64)
             lazy_ub -= ub[t]
