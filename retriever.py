@@ -359,6 +359,11 @@ def _check_unique_ids(h, corpus_path, tmp, doc_off):
 # ----------------------------------------------------------------------------------------------
 # search
 
+def kth_best(vals, k):
+    """The k-th largest entry of vals (1 <= k <= len(vals)), by partition, without a sort."""
+    return np.partition(vals, len(vals) - k)[len(vals) - k]
+
+
 class Index:
     """A loaded, memory-mapped BM25 index; see `load_index`."""
 
@@ -456,7 +461,7 @@ class Index:
             m = k * len(parts)  # a document repeats at most len(parts) times among the parts
             if parts and hi - lo > 2 * n_cand and n_cand >= m:  # a long list next: is it still needed?
                 vals = acc.take(np.concatenate(parts))
-                theta = np.partition(vals, n_cand - m)[n_cand - m]  # >= k documents score at least this
+                theta = kth_best(vals, m)  # >= k documents score at least this
                 if lazy_ub < theta * (1 - 1e-6):  # the terms left cannot lift a new document to the top k
                     break
             d = self.docs[lo:hi].astype(np.intp)  # (df,) each document once; intp: 2x faster indexing
@@ -470,14 +475,14 @@ class Index:
         acc[cand] = 0.0
         m = k * len(parts)
         if len(vals) > m:  # the m-th best entry: k documents score at least that
-            thresh = np.partition(vals, len(vals) - m)[len(vals) - m]
+            thresh = kth_best(vals, m)
             keep = vals + lazy_ub >= thresh * (1 - 1e-6) if lazy else vals >= thresh  # ties stay in
             cand, vals = cand[keep], vals[keep]
         cand, first = np.unique(cand, return_index=True)
         vals = vals[first]
         for t, c in lazy:  # the survivors' lazy terms, by binary search in doc-sorted postings
             if len(vals) > k:  # drop what cannot reach the k-th best partial score, bounds left added
-                keep = vals + lazy_ub >= np.partition(vals, len(vals) - k)[len(vals) - k] * (1 - 1e-6)
+                keep = vals + lazy_ub >= kth_best(vals, k) * (1 - 1e-6)
                 cand, vals = cand[keep], vals[keep]
             lo, hi = self.indptr[t], self.indptr[t + 1]
             # (C,) the needles in the postings' own dtype: mixed dtypes would cast the whole list
@@ -486,7 +491,7 @@ class Index:
             vals[hit] += c * self.scores[lo:hi][i[hit]].astype(np.float64)
             lazy_ub -= ub[t]
         if len(vals) > k:  # the k best and their ties, before the sort
-            keep = vals >= np.partition(vals, len(vals) - k)[len(vals) - k]
+            keep = vals >= kth_best(vals, k)
             cand, vals = cand[keep], vals[keep]
         order = np.lexsort((cand, -vals))[:k]
         return list(zip(cand[order].tolist(), vals[order].tolist()))
