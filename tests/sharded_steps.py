@@ -10,6 +10,7 @@ the step metrics, the OFSD losses, every rank's state_bytes and the full weights
 phase to OUT.pt.
 """
 
+import copy
 import os
 import sys
 
@@ -28,7 +29,7 @@ QUESTIONS = ["which river flows through Paris", "who founded Tokyo", "which lake
 G = 3
 
 
-def trajectories(model, tokenizer):
+def trajectories(model, tokenizer, shift):
     """12 trajectories: prompt, then sampled / injected / sampled spans of seeded random tokens."""
     gen = torch.Generator().manual_seed(0)
     trajs = []
@@ -41,18 +42,34 @@ def trajectories(model, tokenizer):
             for n, sampled in ((n1, True), (n2, False), (n3, True)):
                 t.add(torch.randint(3, 300, (n,), generator=gen).tolist(), sampled=sampled)
             trajs.append(t)
-    for t in trajs:  # recorded log-probs: the model's own, shifted by up to +-0.3
+    for t in trajs:  # recorded log-probs: the model's own, shifted by up to +-shift
         ids, valid, mask, _ = grpo.pad_batch([t], tokenizer.pad_id, "cpu")
         with torch.no_grad():
             lp = grpo.token_logprobs(model, ids, valid, mask, 1.0)
-        lp = lp + 0.3 * (2 * torch.rand(lp.shape, generator=gen) - 1)
+        lp = lp + shift * (2 * torch.rand(lp.shape, generator=gen) - 1)
         it = iter(lp.tolist())
         t.logprobs = [next(it) if m else 0.0 for m in t.loss_mask]
     return trajs
 
 
+def plain_step(model, dtype, trajs, advantages, pad_id):
+    """The first GRPO step's loss (the policy is its own KL model) and its gradient on
+    an unsharded copy of `model`, in one pass over `trajs`: loss, grads, and per policy token its
+    log-prob, entropy and advantage (n,). On a bfloat16 copy, this is what rounding alone does."""
+    model = copy.deepcopy(model).to(dtype)
+    ids, valid, mask, old = grpo.pad_batch(trajs, pad_id, "cpu")
+    adv = torch.tensor(advantages)[:, None].expand_as(mask)[:, 1:][mask[:, 1:]]  # (n,)
+    logp, entropy = grpo.token_logprobs(model, ids, valid, mask, 1.0, entropy=True)
+    old = old[:, 1:][mask[:, 1:]]  # (n,) the recorded log-probs: pi_old
+    loss = grpo.grpo_token_loss(logp, old, logp.detach(), adv, 0.2, 0.01, entropy, 0.01)[0].mean()
+    loss.backward()
+    return dict(loss=loss.item(), grads={n: p.grad.float() for n, p in model.named_parameters()},
+                logp=logp.detach(), entropy=entropy.detach(), adv=adv)
+
+
 def main():
     model_dir, out, mode = sys.argv[1], sys.argv[2], (sys.argv[3] if len(sys.argv) > 3 else "float32")
+    shift = float(sys.argv[4]) if len(sys.argv) > 4 else 0.3
     dt = torch.bfloat16 if mode == "bfloat16" else torch.float32
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
@@ -62,21 +79,28 @@ def main():
     torch.manual_seed(0)
     policy, tokenizer = M.load(model_dir)
     reference = M.load(model_dir)[0]
-    trajs = trajectories(policy, tokenizer)
+    trajs = trajectories(policy, tokenizer, shift)
+    rewards = [1, 0, 0, 0, 1, 1, 0, 0, 0, 1, 0, 1]
+    adv = grpo.group_advantages(rewards, G).tolist()
+    plain = {str(d): plain_step(policy, d, trajs, adv, tokenizer.pad_id) for d in (torch.float32, torch.bfloat16)} \
+        if shift == 0 else None
     if dist.is_initialized():
         FS.shard(policy, dt)
         FS.shard(reference, dt)
     policy.checkpoint_layers = mode == "checkpointing"
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3, weight_decay=0.0)
-    rewards = [1, 0, 0, 0, 1, 1, 0, 0, 0, 1, 0, 1]
-    adv = grpo.group_advantages(rewards, G).tolist()
+    grads = []  # the full gradient of each step, taken just before AdamW applies it
+    optimizer.register_step_pre_hook(lambda *_: grads.append(
+        {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().to("cpu", copy=True)
+         for n, p in policy.named_parameters()}))
     mine = [i * G + j for i in range(rank, len(QUESTIONS), world) for j in range(G)]
-    steps = []
+    steps, weights = [], [FS.full_state_dict(policy)]
     policy.train()
     for _ in range(3):
         steps.append(grpo.grpo_step(policy, reference, optimizer, [trajs[i] for i in mine], [adv[i] for i in mine],
                                     micro_batch=2, clip_ratio=0.2, kl_coef=0.01, entropy_coef=0.01,
                                     temperature=1.0, max_grad_norm=1.0, pad_id=tokenizer.pad_id))
+        weights.append(FS.full_state_dict(policy))
     policy.eval()
     held = FS.state_bytes(policy, optimizer, reference)
     after_grpo = FS.full_state_dict(policy)
@@ -85,7 +109,7 @@ def main():
                      tau_clip=0.05, max_grad_norm=1.0, kl_chunk=7, seed=0)
     after_ofsd = FS.full_state_dict(policy)
     if rank == 0:
-        torch.save(dict(steps=steps, ofsd=m, state_bytes=held, after_grpo=after_grpo, after_ofsd=after_ofsd), out)
+        torch.save(dict(steps=steps, weights=weights, grads=grads, plain=plain, ofsd=m, state_bytes=held, after_grpo=after_grpo, after_ofsd=after_ofsd), out)
     if dist.is_initialized():
         dist.barrier()  # no rank tears its group down while another still talks to it (gloo aborts)
         dist.destroy_process_group()
