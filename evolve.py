@@ -41,6 +41,7 @@ import grpo
 import model as M
 import ofsd as OF
 import toyagent
+from clipped_kl import CLIPS
 from retriever import load_index
 
 # ---------------------------------------------------------------------------------------------
@@ -85,7 +86,9 @@ lora_alpha = 32                # LoRA alpha
 lora_lr = 2e-4                 # LoRA AdamW learning rate
 lora_epochs = 2                # passes over the round's pairs
 ofsd_micro_batch = 4           # pairs per OFSD optimizer step
-tau_clip = 0.05                # clip on each (position, vocabulary) KL term
+tau_clip = 0.05                # the OFSD loss's clip threshold
+ofsd_clip = "vocab"            # what tau_clip caps (clipped_kl.py): "vocab" each (position, vocabulary)
+                               # term (the paper's formula), "position" each position's KL, "none"
 kl_chunk = 256                 # positions per LM-head chunk of the OFSD loss (memory, not results)
 eval_batch = 64                # questions per greedy evaluation batch
 seed = 0                       # sampling, question order, LoRA initialisation
@@ -188,7 +191,7 @@ def main():
             m = OF.ofsd_round(
                 policy, tokenizer, index, sample_questions(ofsd_questions), group_size=group_size,
                 rollout_args=rollout_args, students=ofsd_students, lora_rank=lora_rank, lora_alpha=lora_alpha,
-                lr=lora_lr, epochs=lora_epochs, micro_batch=ofsd_micro_batch, tau_clip=tau_clip,
+                lr=lora_lr, epochs=lora_epochs, micro_batch=ofsd_micro_batch, tau_clip=tau_clip, ofsd_clip=ofsd_clip,
                 max_grad_norm=max_grad_norm, kl_chunk=kl_chunk, seed=seed * 7919 + r,
                 log=lambda epoch, n, loss: record(
                     None, f"ofsd | it {it} | epoch {epoch} | step {n:4d} | loss {loss:.5f}"))
@@ -245,7 +248,7 @@ POSITIVE = ("grpo_steps", "questions_per_step", "ppo_mini_batch", "micro_batch",
             "temperature", "tau_clip")
 NOT_NEGATIVE = ("iterations", "max_turns", "test_limit", "kl_coef", "entropy_coef", "seed", "world_seed",
                 "rollout_rows")
-CHOICES = dict(kl_policy=("round", "initial"), ofsd_students=("any", "incorrect"),
+CHOICES = dict(kl_policy=("round", "initial"), ofsd_students=("any", "incorrect"), ofsd_clip=CLIPS,
                dtype=("auto", "float32", "bfloat16"))
 RESUME_MAY_CHANGE = ("resume", "overwrite", "out_dir", "world_dir", "iterations", "eval_batch", "micro_batch",
                      "kl_chunk", "activation_checkpointing", "rollout_rows")  # paths, length, memory knobs
@@ -305,8 +308,11 @@ def grpo_line(m, it):
 
 
 def ofsd_line(row, m):
-    line = (f"ofsd | it {row['iteration']} | pairs {m['pairs']} ({m['incorrect_students']} with an incorrect "
-            f"student) | KL {m.get('kl_before', 0):.5f} -> {m.get('kl_after', 0):.5f}")
+    line = f"ofsd | it {row['iteration']} | pairs {m['pairs']} ({m['incorrect_students']} with an incorrect student)"
+    if "kl_before" in m:  # what distillation did: the loss, the true KL, the clip, P_student(teacher's top token)
+        line += (f" | loss {m['kl_before']:.5f} -> {m['kl_after']:.5f} | true KL {m['kl_true_before']:.4f} -> "
+                 f"{m['kl_true_after']:.4f} | clipped {m['clip_frac_before']:.2f} | P(top) {m['p_top_before']:.3f}"
+                 f" -> {m['p_top_after']:.3f}")
     if "teacher_em" in m:  # the diagnostics: headroom (teacher vs student view) and effect on its questions
         line += (f" | teacher EM {m['teacher_em']:.3f} student EM {m['student_em']:.3f} | disagree "
                  f"{m['disagree']:.3f} | mined EM {m['mined_em_before']:.3f} -> {m['mined_em_after']:.3f}")

@@ -16,24 +16,26 @@ An OFSD round (METHOD.md, "OFSD") consolidates what the GRPO round found:
    Loss positions R_tau = tau_stu's policy-sampled tokens (its loss_mask), aligned between the
    two sequences; retrieved text and the prompt never count.
 3. The round: attach LoRA; the teacher pass runs with the adapter disabled, under no_grad; the
-   student pass with it; AdamW on the adapter only, minimising per pair
-     L = 1/|R_tau| sum_{p in R_tau} sum_v min(Pt_p(v) log(Pt_p(v) / Ps_p(v)), tau_clip)
-   (a token-level forward KL(teacher || student), each (position, vocabulary) term clipped from
-   above); then merge the adapter into the base weights: the next GRPO round's policy.
-   Each round also measures itself (`mined_diagnostics`, in its metrics): greedy EM on the mined
-   questions from the teacher view and from the student view (the headroom there is to distil),
-   the share of loss positions where the teacher's most likely token differs from the student's
-   sampled one, the clipped KL by segment (think / search / answer), and greedy EM on the mined
-   questions before and after the round, split by whether the student was incorrect.
-4. The loss, below the method in its own part: `clipped_forward_kl_spec` (plain PyTorch, the
-   readable spec), a chunked PyTorch path and a Triton kernel (CUDA) that compute the loss and
-   its analytic gradient together, and `fused_linear_clipped_kl`, which starts from hidden
-   states and the frozen LM head so the (N, V) logits never exist (what training uses).
+   student pass with it; AdamW on the adapter only, minimising per pair the mean over its loss
+   positions of the token-level forward KL(teacher || student), clipped as `ofsd_clip` says
+   (clipped_kl.py):
+     "vocab"     L = 1/|R_tau| sum_{p in R_tau} sum_v min(Pt_p(v) log(Pt_p(v) / Ps_p(v)), tau_clip)
+                 (the paper's formula; its clipped terms push the student away from the teacher)
+     "position"  L = 1/|R_tau| sum_{p in R_tau} min(KL_p, tau_clip)
+     "none"      L = 1/|R_tau| sum_{p in R_tau} KL_p
+   then merge the adapter into the base weights: the next GRPO round's policy.
+   Each round measures itself (in its metrics): before and after, over the round's pairs, the
+   true (unclipped) KL, the loss, the share of positions the clip changed and the student's
+   probability of the teacher's most likely token (`distill`); before, greedy EM on the mined
+   questions from the teacher view and from the student view (the headroom to distil), the
+   share of loss positions where the teacher's most likely token differs from the student's
+   sampled one and the true KL by segment (think / search / answer) (`mined_diagnostics`);
+   after, greedy EM on the mined questions, split by whether the student was incorrect.
 
 Left out: several privileged references per pair (the paper's future work), reverse KL, mixing
 OFSD with RL in one loss.
 
-    python ofsd.py        # checks the CPU path and (with CUDA or TRITON_INTERPRET=1) the kernel
+    python evolve.py --ofsd_clip=none      # the loop runs the rounds; python clipped_kl.py checks the loss
 """
 
 import random
@@ -46,13 +48,8 @@ import torch.nn.functional as F
 import fsdp as FS
 import lora
 import model as M
+from clipped_kl import fused_linear_clipped_kl, position_stats
 from rollout import em_rewards, exact_match, make_prompt, rollout
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # no Triton wheel on this platform: the PyTorch paths still work
-    triton = None
 
 PRIVILEGED = ("\n\nFor reference, here is a correct and efficient solution to this question, "
               "with its searches and the retrieved documents:\n{tau_ref}\n")
@@ -131,7 +128,7 @@ def _gather_hidden(model, seqs, positions):
 # 3. the round
 
 def ofsd_round(policy, tokenizer, index, questions, *, group_size, rollout_args, students, lora_rank, lora_alpha,
-               lr, epochs, micro_batch, tau_clip, max_grad_norm, kl_chunk, seed, log):
+               lr, epochs, micro_batch, tau_clip, ofsd_clip, max_grad_norm, kl_chunk, seed, log):
     """One OFSD round: G rollouts of the current policy per question, EM rewards, one mined pair per
     question (all ranks' pairs, when distributed), then `distill`. students="incorrect" keeps only
     the pairs whose student is incorrect ("any": the paper's rule). Returns its metrics."""
@@ -145,10 +142,10 @@ def ofsd_round(policy, tokenizer, index, questions, *, group_size, rollout_args,
     # layer by layer, so every rank must run the same passes)
     mined = FS.all_ranks(mined)
     pairs = [(ref, stu, wrong) for ref, stu, wrong, _ in mined]
-    before = mined_diagnostics(policy, tokenizer, index, mined, rollout_args, tau_clip, kl_chunk) if mined else {}
+    before = mined_diagnostics(policy, tokenizer, index, mined, rollout_args, kl_chunk) if mined else {}
     metrics = distill(policy, tokenizer, pairs, lora_rank=lora_rank, lora_alpha=lora_alpha, lr=lr,
-                      epochs=epochs, micro_batch=micro_batch, tau_clip=tau_clip, max_grad_norm=max_grad_norm,
-                      kl_chunk=kl_chunk, seed=seed, log=log)
+                      epochs=epochs, micro_batch=micro_batch, tau_clip=tau_clip, ofsd_clip=ofsd_clip,
+                      max_grad_norm=max_grad_norm, kl_chunk=kl_chunk, seed=seed, log=log)
     if mined:  # the round's effect on its own questions, by whether the student was incorrect
         after = greedy_em(policy, tokenizer, index, mined, rollout_args)
         metrics.update(before, **split_em("mined_em_after", after, mined))
@@ -187,41 +184,38 @@ def segment_of(text):
 
 
 @torch.no_grad()
-def token_diagnostics(model, tokenizer, mined, tau_clip, chunk):
+def token_diagnostics(model, tokenizer, mined, chunk):
     """Over the loss positions of every pair: the share where the teacher's most likely token is
-    not the token the student sampled, and the mean clipped KL of a position in each segment."""
+    not the token the student sampled, and the mean true KL of a position in each segment."""
     differ, n, kl = 0, 0, {s: [] for s in SEGMENTS + ("other",)}
     for ref, stu, *_ in mined:
         s_ids, t_ids, s_pos, t_pos = pair_sequences(tokenizer, ref, stu)
         if not s_pos:
             continue
         h_s, h_t = _gather_hidden(model, [s_ids], [s_pos]), _gather_hidden(model, [t_ids], [t_pos])  # (n, d)
-        for c in range(0, len(s_pos), chunk):
-            log_ps = torch.log_softmax(F.linear(h_s[c:c + chunk], model.lm_head_weight).float(), -1)  # (C, V)
-            log_pt = torch.log_softmax(F.linear(h_t[c:c + chunk], model.lm_head_weight).float(), -1)
-            terms = (log_pt.exp() * (log_pt - log_ps)).clamp(max=tau_clip).sum(-1)  # (C,)
-            sampled = torch.tensor([s_ids[p] for p in s_pos[c:c + chunk]], device=log_pt.device)
-            differ += (log_pt.argmax(-1) != sampled).sum().item()
-            n += len(sampled)
-            for p, term in zip(s_pos[c:c + chunk], terms.tolist()):
-                kl[segment_of(tokenizer.decode(s_ids[stu.prompt_len:p]))].append(term)
+        stats = position_stats(h_s, h_t, model.lm_head_weight, 0.0, "none", chunk)
+        sampled = torch.tensor([s_ids[p] for p in s_pos], device=h_s.device)
+        differ += (stats["teacher_top"] != sampled).sum().item()
+        n += len(sampled)
+        for p, term in zip(s_pos, stats["kl"].tolist()):
+            kl[segment_of(tokenizer.decode(s_ids[stu.prompt_len:p]))].append(term)
     out = {"disagree": differ / n if n else None}
     out.update({f"kl_{s}": sum(v) / len(v) if v else None for s, v in kl.items()})
     return out
 
 
-def mined_diagnostics(policy, tokenizer, index, mined, rollout_args, tau_clip, chunk):
+def mined_diagnostics(policy, tokenizer, index, mined, rollout_args, chunk):
     """Before the round: greedy EM from the teacher and the student views (the headroom to distil),
-    the teacher/student disagreement and clipped KL by segment."""
+    the teacher/student disagreement and true KL by segment."""
     student = greedy_em(policy, tokenizer, index, mined, rollout_args)
     teacher = greedy_em(policy, tokenizer, index, mined, rollout_args, teacher_view=True)
     out = dict(teacher_em=sum(teacher) / len(teacher), student_em=sum(student) / len(student))
     out.update(split_em("mined_em_before", student, mined))
-    out.update(token_diagnostics(policy, tokenizer, mined, tau_clip, chunk))
+    out.update(token_diagnostics(policy, tokenizer, mined, chunk))
     return out
 
 
-def distill(model, tokenizer, pairs, *, lora_rank, lora_alpha, lr, epochs, micro_batch, tau_clip,
+def distill(model, tokenizer, pairs, *, lora_rank, lora_alpha, lr, epochs, micro_batch, tau_clip, ofsd_clip,
             max_grad_norm, kl_chunk, seed, log=None):
     """Distill each pair's teacher view into its student view through LoRA, then merge.
     `log(epoch, step, loss)` is called after every optimizer step."""
@@ -233,19 +227,13 @@ def distill(model, tokenizer, pairs, *, lora_rank, lora_alpha, lr, epochs, micro
     params = lora.attach(model, lora_rank, lora_alpha)
     broadcast(params)  # every rank trains the same adapter on the same pairs (it is small)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-
-    def mean_kl():
-        with torch.no_grad():
-            return sum(pair_loss(model, data[i:i + micro_batch], tau_clip, kl_chunk).item() * len(data[i:i + micro_batch])
-                       for i in range(0, len(data), micro_batch)) / len(data)
-
-    metrics["kl_before"] = mean_kl()
+    before = pair_stats(model, data, tau_clip, ofsd_clip, micro_batch, kl_chunk)
     rng = random.Random(seed)
     for epoch in range(epochs):
         order = list(range(len(data)))
         rng.shuffle(order)
         for s in range(0, len(order), micro_batch):
-            loss = pair_loss(model, [data[i] for i in order[s:s + micro_batch]], tau_clip, kl_chunk)
+            loss = pair_loss(model, [data[i] for i in order[s:s + micro_batch]], tau_clip, ofsd_clip, kl_chunk)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
@@ -253,7 +241,8 @@ def distill(model, tokenizer, pairs, *, lora_rank, lora_alpha, lr, epochs, micro
             metrics["losses"].append(loss.item())
             if log:
                 log(epoch, len(metrics["losses"]), loss.item())
-    metrics["kl_after"] = mean_kl()
+    after = pair_stats(model, data, tau_clip, ofsd_clip, micro_batch, kl_chunk)
+    metrics.update({f"{k}_{when}": v for when, d in (("before", before), ("after", after)) for k, v in d.items()})
     broadcast(params)  # guard against non-deterministic kernels: rank 0's adapter for all
     FS.reshard(model)  # a sharded base takes each rank's slice of the merged update
     lora.merge(model)
@@ -262,202 +251,36 @@ def distill(model, tokenizer, pairs, *, lora_rank, lora_alpha, lr, epochs, micro
     return metrics
 
 
+@torch.no_grad()
+def pair_stats(model, data, tau_clip, ofsd_clip, micro_batch, chunk):
+    """Mean over the pairs of each pair's mean over its loss positions (the loss's own weighting)
+    of: the loss ("kl", the value training minimises), the true forward KL ("kl_true"), the share
+    of positions the clip changed ("clip_frac") and the student's probability of the teacher's
+    most likely token ("p_top"). The teacher runs with the adapter off, the student with it."""
+    sums = dict(kl=0.0, kl_true=0.0, clip_frac=0.0, p_top=0.0)
+    for i in range(0, len(data), micro_batch):
+        students, teachers, s_pos, t_pos = zip(*data[i:i + micro_batch])
+        with lora.disabled(model):
+            h_t = _gather_hidden(model, teachers, t_pos)  # (N, d)
+        h_s = _gather_hidden(model, students, s_pos)  # (N, d)
+        stats = position_stats(h_s, h_t, model.lm_head_weight, tau_clip, ofsd_clip, chunk)
+        lengths = [len(p) for p in s_pos]
+        for key, name in (("kl", "loss"), ("kl_true", "kl"), ("clip_frac", "clipped"), ("p_top", "p_top")):
+            sums[key] += sum(x.mean().item() for x in stats[name].split(lengths)) / len(data)
+    return sums
+
+
 def broadcast(tensors):
     if dist.is_initialized():
         for t in tensors:
             dist.broadcast(t.data, 0)
 
 
-def pair_loss(model, batch, tau_clip, kl_chunk):
+def pair_loss(model, batch, tau_clip, ofsd_clip, kl_chunk):
     """Mean over the pairs of each pair's mean clipped KL over its loss positions."""
     students, teachers, s_pos, t_pos = zip(*batch)
     with torch.no_grad(), lora.disabled(model):
         h_t = _gather_hidden(model, teachers, t_pos)  # (N, d) teacher: frozen base weights
     h_s = _gather_hidden(model, students, s_pos)  # (N, d) student: adapter active
     w = torch.tensor([1.0 / (len(p) * len(batch)) for p in s_pos for _ in p], device=h_s.device)
-    return fused_linear_clipped_kl(h_s, h_t, model.lm_head_weight, tau_clip, w, kl_chunk)
-
-
-# ==============================================================================================
-# ----------------------------------------------------------------------------------------------
-# 4. the loss, four implementations of one function: the spec, chunked PyTorch, the Triton
-#    kernel, and the fused path from hidden states that training uses
-
-# The loss of one position, over the vocabulary v (teacher probabilities carry no gradient):
-#     l = sum_v min(Pt(v) log(Pt(v) / Ps(v)), tau_clip),     Ps = softmax(z), Pt = softmax(z_t)
-# and its gradient w.r.t. the student logits z (m(v) = [term v not clipped]):
-#     dl/dz_j = Ps(j) * S - m(j) * Pt(j),   S = sum_v m(v) Pt(v)
-# (from d(-Pt(v) log Ps(v))/dz_j = -Pt(v) (delta_vj - Ps(j)); clipped terms are constant).
-
-def clipped_forward_kl_spec(student_logits, teacher_logits, tau_clip):
-    """mean_p sum_v min(Pt log(Pt / Ps), tau_clip); (N, V) logits; the readable spec (autograd)."""
-    dt = torch.promote_types(student_logits.dtype, torch.float32)  # float32, or float64 if given
-    log_ps = torch.log_softmax(student_logits.to(dt), -1)
-    log_pt = torch.log_softmax(teacher_logits.detach().to(dt), -1)
-    terms = torch.where(log_pt > -float("inf"), log_pt.exp() * (log_pt - log_ps), 0.0)  # (N, V)
-    return terms.clamp(max=tau_clip).sum(-1).mean()
-
-
-CPU_ROWS = 8  # rows per step of the PyTorch path: its (8, V) temporaries stay in cache (measured)
-
-
-def _loss_and_grad_torch(zs, zt, tau_clip, row_scale, out):
-    """Per-row clipped KL (N,); writes row_scale * dLoss_row/dzs into `out` (N, V), analytically.
-
-    Extra memory is a few (CPU_ROWS, V) float32 temporaries, whatever N is."""
-    rows = torch.empty(zs.shape[0], dtype=torch.float32, device=zs.device)
-    for c in range(0, zs.shape[0], CPU_ROWS):
-        log_ps = torch.log_softmax(zs[c:c + CPU_ROWS].float(), -1)  # (C, V)
-        log_pt = torch.log_softmax(zt[c:c + CPU_ROWS].float(), -1)
-        pt = log_pt.exp()
-        f = log_pt.sub_(log_ps).mul_(pt)  # (C, V) the per-entry KL terms Pt log(Pt / Ps)
-        keep = f <= tau_clip
-        rows[c:c + CPU_ROWS] = f.clamp_(max=tau_clip).sum(-1)
-        pt.mul_(keep)  # m(v) Pt(v)
-        S = pt.sum(-1, keepdim=True)  # (C, 1)
-        out[c:c + CPU_ROWS] = log_ps.exp_().mul_(S).sub_(pt).mul_(row_scale[c:c + CPU_ROWS, None])
-    return rows
-
-
-if triton is not None:
-    @triton.jit
-    def _block_terms(s_row, t_row, start, offs, V, lse_s, lse_t):
-        """One vocabulary block of a row: (in range, log Ps, Pt, f = Pt (log Pt - log Ps))."""
-        msk = start + offs < V
-        s = tl.load(s_row + start + offs, mask=msk, other=0.0).to(tl.float32)
-        t = tl.load(t_row + start + offs, mask=msk, other=0.0).to(tl.float32)
-        log_ps = s - lse_s
-        log_pt = t - lse_t
-        pt = tl.exp(log_pt)
-        return msk, log_ps, pt, pt * (log_pt - log_ps)
-
-    @triton.jit
-    def _clipped_kl_kernel(S_ptr, T_ptr, LOSS_ptr, GRAD_ptr, SCALE_ptr, stride_s, stride_t, stride_g,
-                           V, tau_clip, BLOCK: tl.constexpr):
-        """One program per row. Online softmax over the vocabulary in blocks (nothing (N, V) is
-        materialised besides the gradient output):
-          pass 1: lse_s = log sum exp(s), lse_t = log sum exp(t)            (running max + sum)
-          pass 2: f(v) = Pt(v) (log Pt(v) - log Ps(v)),  loss = sum_v min(f(v), tau_clip),
-                  S = sum_v m(v) Pt(v) with m(v) = [f(v) <= tau_clip]
-          pass 3: grad(v) = scale * (Ps(v) S - m(v) Pt(v))   (dLoss/ds(v), so backward is a scale)
-        """
-        row = tl.program_id(0).to(tl.int64)
-        s_row, t_row, g_row = S_ptr + row * stride_s, T_ptr + row * stride_t, GRAD_ptr + row * stride_g
-        offs = tl.arange(0, BLOCK)
-        m_s = tl.full([1], float("-inf"), tl.float32)
-        m_t = tl.full([1], float("-inf"), tl.float32)
-        d_s = tl.zeros([1], tl.float32)
-        d_t = tl.zeros([1], tl.float32)
-        for start in range(0, V, BLOCK):
-            msk = start + offs < V
-            s = tl.load(s_row + start + offs, mask=msk, other=float("-inf")).to(tl.float32)
-            t = tl.load(t_row + start + offs, mask=msk, other=float("-inf")).to(tl.float32)
-            new_s = tl.maximum(m_s, tl.max(s, 0))
-            new_t = tl.maximum(m_t, tl.max(t, 0))
-            d_s = d_s * tl.exp(m_s - new_s) + tl.sum(tl.exp(s - new_s), 0)
-            d_t = d_t * tl.exp(m_t - new_t) + tl.sum(tl.exp(t - new_t), 0)
-            m_s, m_t = new_s, new_t
-        lse_s = m_s + tl.log(d_s)
-        lse_t = m_t + tl.log(d_t)
-        loss = tl.zeros([1], tl.float32)
-        S = tl.zeros([1], tl.float32)
-        for start in range(0, V, BLOCK):
-            msk, log_ps, pt, f = _block_terms(s_row, t_row, start, offs, V, lse_s, lse_t)
-            keep = msk & (f <= tau_clip)
-            loss += tl.sum(tl.where(msk, tl.minimum(f, tau_clip), 0.0), 0)
-            S += tl.sum(tl.where(keep, pt, 0.0), 0)
-        scale = tl.load(SCALE_ptr + row)
-        for start in range(0, V, BLOCK):
-            msk, log_ps, pt, f = _block_terms(s_row, t_row, start, offs, V, lse_s, lse_t)
-            g = tl.exp(log_ps) * S - tl.where(f <= tau_clip, pt, 0.0)
-            tl.store(g_row + start + offs, (g * scale).to(GRAD_ptr.dtype.element_ty), mask=msk)
-        tl.store(LOSS_ptr + row + tl.arange(0, 1), loss)
-
-
-def _loss_and_grad_triton(zs, zt, tau_clip, row_scale, out):
-    N, V = zs.shape
-    rows = torch.empty(N, dtype=torch.float32, device=zs.device)  # on the input's device
-    _clipped_kl_kernel[(N,)](zs, zt, rows, out, row_scale.float().contiguous(), zs.stride(0),
-                             zt.stride(0), out.stride(0), V, float(tau_clip),
-                             BLOCK=min(4096, triton.next_power_of_2(V)))
-    return rows
-
-
-def loss_and_grad(zs, zt, tau_clip, row_scale, out, use_triton=None):
-    """Per-row clipped KL (N,); writes d(row_scale_r * row_r)/dzs into `out` (N, V), which may be
-    zs itself (each element is read before it is overwritten). Triton on CUDA, else PyTorch."""
-    if use_triton is None:
-        use_triton = zs.is_cuda and triton is not None
-    if zs.stride(-1) != 1 or zt.stride(-1) != 1 or out.stride(-1) != 1:
-        raise ValueError("loss_and_grad needs rows with unit stride (call .contiguous())")
-    return (_loss_and_grad_triton if use_triton else _loss_and_grad_torch)(zs, zt, tau_clip, row_scale, out)
-
-
-class ClippedForwardKL(torch.autograd.Function):
-    """Loss and gradient computed together in the forward (chunked over rows); backward scales."""
-
-    @staticmethod
-    def forward(ctx, student_logits, teacher_logits, tau_clip, use_triton):
-        s, t = student_logits.contiguous(), teacher_logits.contiguous()
-        N = s.shape[0]
-        grad = torch.empty_like(s)  # the gradient is the only (N, V) tensor this allocates
-        rows = loss_and_grad(s, t, tau_clip, torch.full((N,), 1.0 / N, device=s.device), grad, use_triton)
-        ctx.save_for_backward(grad)
-        return rows.sum() / N
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        (grad,) = ctx.saved_tensors
-        if grad_output.item() != 1.0:  # the usual loss.backward() needs no (N, V) copy
-            grad = grad * grad_output.to(grad.dtype)
-        return grad, None, None, None
-
-
-def clipped_forward_kl(student_logits, teacher_logits, tau_clip, use_triton=None):
-    """The clipped forward KL of (N, V) logits; the Triton kernel on CUDA, chunked PyTorch off it."""
-    return ClippedForwardKL.apply(student_logits, teacher_logits.detach(), tau_clip, use_triton)
-
-
-class FusedLinearClippedKL(torch.autograd.Function):
-    """sum_r w_r * clipped_KL(h_t[r] W^T || h_s[r] W^T) without ever holding the (N, V) logits."""
-
-    @staticmethod
-    def forward(ctx, h_student, h_teacher, weight, row_weight, tau_clip, chunk):
-        grad_h = torch.empty_like(h_student)
-        total = torch.zeros((), device=h_student.device)
-        for c in range(0, h_student.shape[0], chunk):
-            zs = F.linear(h_student[c:c + chunk], weight)  # (C, V)
-            zt = F.linear(h_teacher[c:c + chunk], weight)  # (C, V)
-            rows = loss_and_grad(zs, zt, tau_clip, row_weight[c:c + chunk], out=zs)  # zs <- dL/dzs
-            total += (rows * row_weight[c:c + chunk]).sum()
-            grad_h[c:c + chunk] = zs @ weight  # (C, d)
-        ctx.save_for_backward(grad_h)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        (grad_h,) = ctx.saved_tensors
-        return grad_h * grad_output.to(grad_h.dtype), None, None, None, None, None
-
-
-def fused_linear_clipped_kl(h_student, h_teacher, weight, tau_clip, row_weight=None, chunk=256):
-    """Clipped forward KL from hidden states (N, d) and the frozen LM head (V, d); mean by default."""
-    N = h_student.shape[0]
-    if row_weight is None:
-        row_weight = torch.full((N,), 1.0 / N, device=h_student.device)
-    return FusedLinearClippedKL.apply(h_student, h_teacher.detach(), weight.detach(), row_weight, tau_clip, chunk)
-
-
-if __name__ == "__main__":
-    torch.manual_seed(0)
-    s, t = torch.randn(37, 3001, requires_grad=True), torch.randn(37, 3001)
-    spec = clipped_forward_kl_spec(s, t, 0.01)
-    (g_spec,) = torch.autograd.grad(spec, s)
-    for name, fn in [("chunked", lambda: clipped_forward_kl(s, t, 0.01, use_triton=False)),
-                     ("triton", lambda: clipped_forward_kl(s, t, 0.01, use_triton=True))]:
-        if name == "triton" and (triton is None or not (torch.cuda.is_available())):
-            print("triton: needs CUDA (or TRITON_INTERPRET=1 with CPU tensors in the tests)")
-            continue
-        loss = fn()
-        (g,) = torch.autograd.grad(loss, s)
-        print(f"{name}: |loss - spec| = {abs(loss.item() - spec.item()):.2e}  max |grad - spec| = {(g - g_spec).abs().max():.2e}")
+    return fused_linear_clipped_kl(h_s, h_t, model.lm_head_weight, tau_clip, ofsd_clip, w, kl_chunk)

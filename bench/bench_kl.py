@@ -3,11 +3,11 @@
 Input: T positions x V vocabulary (default 2048 x 151,936, float32, Qwen2.5's vocabulary), random
 student and teacher logits (spread 2), tau_clip = 0.01. Each variant runs in its own process; the
 table gives the best of `--repeats` wall times and the peak resident memory above the inputs.
-  naive          ofsd.clipped_forward_kl_spec + autograd (materialises several (T, V) tensors)
+  naive          clipped_kl.clipped_forward_kl_spec + autograd (materialises several (T, V) tensors)
   compiled       torch.compile of the spec applied to row chunks of 256 (autograd)
-  ours-chunked   ofsd.clipped_forward_kl off CUDA: analytic gradient, 8 rows at a time; its (T, V)
+  ours-chunked   clipped_kl.clipped_forward_kl off CUDA: analytic gradient, 8 rows at a time; its (T, V)
                  gradient buffer is part of the extra memory
-  ours-fused     ofsd.fused_linear_clipped_kl from hidden states (T, 896) + LM head (V, 896): the
+  ours-fused     clipped_kl.fused_linear_clipped_kl from hidden states (T, 896) + LM head (V, 896): the
                  training path; logits never exist beyond one chunk (input = hidden states, so it
                  also pays the two LM-head matmuls per chunk that the others get for free)
   naive-fused    the same hidden-state input through two full matmuls and the naive loss
@@ -26,7 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import ofsd  # noqa: E402
+import clipped_kl  # noqa: E402
 
 
 def rss_mb():
@@ -45,23 +45,23 @@ def run(variant, T, V, dtype, device, repeats, q):
         s = torch.randn(T, V, device=device, dtype=dtype) * 2
         t = torch.randn(T, V, device=device, dtype=dtype) * 2
     if variant == "compiled":
-        comp = torch.compile(ofsd.clipped_forward_kl_spec)
+        comp = torch.compile(clipped_kl.clipped_forward_kl_spec)
 
         def fn(x):
             return sum(comp(x[c:c + 256], t[c:c + 256], 0.01) * x[c:c + 256].shape[0]
                        for c in range(0, T, 256)) / T
     elif variant == "naive":
         def fn(x):
-            return ofsd.clipped_forward_kl_spec(x, t, 0.01)
+            return clipped_kl.clipped_forward_kl_spec(x, t, 0.01)
     elif variant == "naive-fused":
         def fn(x):
-            return ofsd.clipped_forward_kl_spec(x @ w.T, ht @ w.T, 0.01)
+            return clipped_kl.clipped_forward_kl_spec(x @ w.T, ht @ w.T, 0.01)
     elif variant == "ours-chunked":
         def fn(x):
-            return ofsd.clipped_forward_kl(x, t, 0.01)
+            return clipped_kl.clipped_forward_kl(x, t, 0.01)
     else:
         def fn(x):
-            return ofsd.fused_linear_clipped_kl(x, ht, w, 0.01, chunk=256)
+            return clipped_kl.fused_linear_clipped_kl(x, ht, w, 0.01, chunk=256)
     x = (hs if variant.endswith("fused") else s).clone().requires_grad_(True)
     base = rss_mb()
     if device == "cuda":

@@ -106,7 +106,7 @@ def main():
     after_grpo = FS.full_state_dict(policy)
     pairs = [(trajs[g * G], trajs[g * G + 1], True) for g in range(len(QUESTIONS))]
     m = ofsd.distill(policy, tokenizer, pairs, lora_rank=4, lora_alpha=8, lr=1e-2, epochs=2, micro_batch=2,
-                     tau_clip=0.05, max_grad_norm=1.0, kl_chunk=7, seed=0)
+                     tau_clip=0.05, ofsd_clip="vocab", max_grad_norm=1.0, kl_chunk=7, seed=0)
     after_ofsd = FS.full_state_dict(policy)
     if rank == 0:
         torch.save(dict(steps=steps, weights=weights, grads=grads, plain=plain, ofsd=m, state_bytes=held, after_grpo=after_grpo, after_ofsd=after_ofsd), out)

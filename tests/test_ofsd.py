@@ -122,7 +122,8 @@ def test_round_lowers_kl_and_merges(agent, tokenizer, search_index):
     ofsd.lora.merge = spy_merge
     try:
         out = ofsd.distill(model, tokenizer, pairs, lora_rank=4, lora_alpha=8, lr=5e-3, epochs=8,
-                           micro_batch=2, tau_clip=1.0, max_grad_norm=1.0, kl_chunk=256, seed=0)
+                           micro_batch=2, tau_clip=1.0, ofsd_clip="vocab", max_grad_norm=1.0, kl_chunk=256,
+                           seed=0)
     finally:
         ofsd.lora.merge = original
     assert out["pairs"] == 2 and out["incorrect_students"] == 1
@@ -140,16 +141,16 @@ def test_segment_of_the_open_tag():
 
 
 def test_token_diagnostics_equal_a_full_forward(agent, tokenizer, search_index):
-    """disagree and the per-segment clipped KL equal those computed from full teacher/student logits."""
+    """disagree and the per-segment true KL equal those computed from full teacher/student logits."""
     trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION], G=2, temperature=1.3,
                 generator=torch.Generator().manual_seed(3))
     mined = [(trajs[0], trajs[1], True, ["Paris"])]
-    got = ofsd.token_diagnostics(agent, tokenizer, mined, 0.05, chunk=7)
+    got = ofsd.token_diagnostics(agent, tokenizer, mined, chunk=7)
     s_ids, t_ids, s_pos, t_pos = ofsd.pair_sequences(tokenizer, trajs[0], trajs[1])
     with torch.no_grad():
         ls = torch.log_softmax(agent(torch.tensor([s_ids]))[0].double(), -1)[[p - 1 for p in s_pos]]  # (n, V)
         lt = torch.log_softmax(agent(torch.tensor([t_ids]))[0].double(), -1)[[p - 1 for p in t_pos]]
-    terms = (lt.exp() * (lt - ls)).clamp(max=0.05).sum(-1)
+    terms = (lt.exp() * (lt - ls)).sum(-1)
     differ = (lt.argmax(-1) != torch.tensor([s_ids[p] for p in s_pos])).double().mean().item()
     assert abs(got["disagree"] - differ) <= 1e-9
     seg = [ofsd.segment_of(tokenizer.decode(s_ids[trajs[1].prompt_len:p])) for p in s_pos]
@@ -166,7 +167,8 @@ def test_round_reports_its_diagnostics(agent, tokenizer, search_index):
     questions = [{"question": AGENT_QUESTION, "golden_answers": ["Paris"]},
                  {"question": "which lake is near London", "golden_answers": ["Paris"]}]
     m = ofsd.ofsd_round(model, tokenizer, search_index, questions, group_size=4, students="any", lora_rank=4,
-                        lora_alpha=8, lr=1e-3, epochs=1, micro_batch=2, tau_clip=0.05, max_grad_norm=1.0, kl_chunk=64, seed=0,
+                        lora_alpha=8, lr=1e-3, epochs=1, micro_batch=2, tau_clip=0.05, ofsd_clip="vocab",
+                        max_grad_norm=1.0, kl_chunk=64, seed=0,
                         log=None, rollout_args=dict(max_turns=2, max_turn_tokens=40, max_obs_tokens=400, top_k=3,
                                                     temperature=1.0, top_p=1.0,
                                                     generator=torch.Generator().manual_seed(0)))
@@ -182,7 +184,7 @@ def test_round_with_incorrect_students_only(agent, tokenizer, search_index):
     questions = [{"question": AGENT_QUESTION, "golden_answers": ["Paris"]},
                  {"question": "which lake is near London", "golden_answers": ["Paris"]}] * 2
     args = dict(group_size=4, lora_rank=4, lora_alpha=8, lr=1e-3, epochs=1, micro_batch=2, tau_clip=0.05,
-                max_grad_norm=1.0, kl_chunk=64, seed=0, log=None)
+                ofsd_clip="vocab", max_grad_norm=1.0, kl_chunk=64, seed=0, log=None)
     counts = {}
     for students in ("any", "incorrect"):
         m = ofsd.ofsd_round(copy.deepcopy(model), tokenizer, search_index, questions, students=students,
@@ -192,3 +194,57 @@ def test_round_with_incorrect_students_only(agent, tokenizer, search_index):
         counts[students] = (m["pairs"], m["incorrect_students"])
     assert counts["incorrect"] == (counts["any"][1], counts["any"][1])
     assert counts["any"][0] > counts["any"][1]  # the fixture mines correct students too
+
+
+def adapted_pairs(agent, tokenizer, search_index):
+    """(base model copy, the same model with a non-zero LoRA adapter, two pairs of unequal length)."""
+    base = copy.deepcopy(agent)
+    model = copy.deepcopy(agent)
+    trajs = run(model, tokenizer, search_index, [AGENT_QUESTION, "Ada"], G=2, temperature=1.3,
+                generator=torch.Generator().manual_seed(4))
+    data = [ofsd.pair_sequences(tokenizer, trajs[0], trajs[1]), ofsd.pair_sequences(tokenizer, trajs[3], trajs[2])]
+    assert len(data[0][2]) != len(data[1][2])  # unequal lengths: the per-pair weights matter
+    lora.attach(model, r=4, alpha=8)
+    torch.manual_seed(0)
+    for _, m in lora._wrapped(model):
+        torch.nn.init.normal_(m.lora_B.weight, std=0.5)
+    return base, model, data
+
+
+def reference_positions(base, model, data, tau_clip, clip):
+    """Per pair, float64 per-position (loss, true KL, P_student(teacher's top)): teacher = the base copy."""
+    out = []
+    for s_ids, t_ids, s_pos, t_pos in data:
+        with torch.no_grad():
+            ls = torch.log_softmax(model(torch.tensor([s_ids]))[0].double(), -1)[[p - 1 for p in s_pos]]  # (n, V)
+            lt = torch.log_softmax(base(torch.tensor([t_ids]))[0].double(), -1)[[p - 1 for p in t_pos]]
+        f = lt.exp() * (lt - ls)  # (n, V)
+        kl = f.sum(-1)
+        loss = {"vocab": f.clamp(max=tau_clip).sum(-1), "position": kl.clamp(max=tau_clip), "none": kl}[clip]
+        out.append((loss, kl, ls.exp().gather(-1, lt.argmax(-1, keepdim=True)).squeeze(-1)))
+    return out
+
+
+@pytest.mark.parametrize("clip", ["vocab", "position", "none"])
+def test_pair_loss_teacher_is_the_base_model(agent, tokenizer, search_index, clip):
+    """pair_loss = mean over pairs of each pair's mean loss, the teacher being the model with its
+    adapter off (checked against a separate copy of the base model), the student with it on."""
+    base, model, data = adapted_pairs(agent, tokenizer, search_index)
+    got = ofsd.pair_loss(model, data, 0.05, clip, kl_chunk=7)
+    ref = reference_positions(base, model, data, 0.05, clip)
+    want = sum(loss.mean() for loss, _, _ in ref) / len(ref)
+    assert abs(got.item() - want.item()) <= 1e-5 * max(1.0, abs(want.item()))
+    with_adapter_teacher = sum(l.mean() for l, _, _ in reference_positions(model, model, data, 0.05, clip)) / 2
+    assert abs(with_adapter_teacher.item() - want.item()) > 1e-3  # the check can tell the two teachers apart
+
+
+def test_pair_stats_report_the_true_kl(agent, tokenizer, search_index):
+    """pair_stats: the loss, the unclipped KL, the clipped share and P(teacher's top), per pair then mean."""
+    base, model, data = adapted_pairs(agent, tokenizer, search_index)
+    got = ofsd.pair_stats(model, data, 0.05, "position", micro_batch=2, chunk=5)
+    ref = reference_positions(base, model, data, 0.05, "position")
+    for key, want in (("kl", sum(l.mean() for l, _, _ in ref) / 2), ("kl_true", sum(k.mean() for _, k, _ in ref) / 2),
+                      ("clip_frac", sum((k > 0.05).double().mean() for _, k, _ in ref) / 2),
+                      ("p_top", sum(p.mean() for _, _, p in ref) / 2)):
+        assert abs(got[key] - want.item()) <= 1e-5 * max(1.0, abs(want.item())), key
+    assert got["kl_true"] > got["kl"]  # the clip acted

@@ -217,6 +217,6 @@ def test_real_checkpoint_ofsd_lowers_the_pair_kl(search_index):
                        max_obs_tokens=64, top_k=2, temperature=1.0, top_p=1.0,
                        generator=torch.Generator().manual_seed(0))
     m = OF.distill(model, tok, [(trajs[0], trajs[1], True)], lora_rank=8, lora_alpha=16, lr=1e-3, epochs=3,
-                   micro_batch=1, tau_clip=0.05, max_grad_norm=1.0, kl_chunk=64, seed=0)
+                   micro_batch=1, tau_clip=0.05, ofsd_clip="vocab", max_grad_norm=1.0, kl_chunk=64, seed=0)
     print(m)
     assert m["kl_after"] < m["kl_before"] and not any("lora" in n for n, _ in model.named_parameters())
