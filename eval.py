@@ -23,14 +23,15 @@ from retriever import load_index
 from rollout import SEARCH_R1_SETTINGS, exact_match, rollout
 
 
-def evaluate(model, tokenizer, index, questions, *, batch, max_turns, max_turn_tokens, max_obs_tokens, top_k):
+def evaluate(model, tokenizer, index, questions, *, batch, max_turns, max_turn_tokens, max_obs_tokens, top_k,
+             search_workers=1):
     """Greedy rollouts for FlashRAG-format questions -> one result dict per question."""
     out = []
     for s in range(0, len(questions), batch):
         part = questions[s:s + batch]
         trajs = rollout(model, tokenizer, index, [q["question"] for q in part], 1, max_turns=max_turns,
                         max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens, top_k=top_k,
-                        temperature=0.0, top_p=1.0, generator=None)
+                        temperature=0.0, top_p=1.0, generator=None, search_workers=search_workers)
         for q, t in zip(part, trajs):
             out.append(dict(question=q["question"], golden_answers=q["golden_answers"], type=q.get("type"),
                             answer=t.answer, em=exact_match(t.answer, q["golden_answers"]),

@@ -26,6 +26,7 @@ asynchronous rollouts, learning-rate schedules beyond warm-up.
 """
 
 import json
+import math
 import os
 import random
 import sys
@@ -43,6 +44,7 @@ import ofsd as OF
 import toyagent
 from clipped_kl import CLIPS
 from retriever import load_index
+from rollout import make_prompt
 
 # ---------------------------------------------------------------------------------------------
 # config: plain constants, overridable as --key=value            (real scale: the anchor's value)
@@ -75,6 +77,8 @@ max_turns = 4                  # searching turns before the answer-only turn  (4
 max_turn_tokens = 80           # per-turn response cap                        (500)
 max_obs_tokens = 256           # observation cap                              (500)
 top_k = 3                      # documents per search                         (3)
+search_workers = 1             # BM25 worker processes per rank for a turn's searches; 1 = in-process
+                               #                                              (8+ at wiki-18 scale; docs/)
 rollout_rows = 0               # trajectories decoded at once per rank (bounds the KV cache); 0 = all
                                #                                              (64 at 3B/7B; README)
 ofsd = True                    # False: the GRPO-only ablation (same GRPO steps, no OFSD rounds)
@@ -132,6 +136,10 @@ def main():
     index = load_index(index_dir or os.path.join(world_dir, "index"))
     train = EV.read_questions(train_file or os.path.join(world_dir, "train.jsonl"))
     test = EV.read_questions(test_file or os.path.join(world_dir, "test.jsonl"), test_limit)
+    tokenizer = M.Tokenizer(os.path.join(start_model, "tokenizer.json"))
+    longest = max((q["question"] for q in train + test), key=len)
+    check_context(config, M.Qwen2Config.from_json(os.path.join(start_model, "config.json")),
+                  len(tokenizer.encode(tokenizer.chat_prompt(make_prompt(longest)))) + len(tokenizer.encode(OF.PRIVILEGED)))
     rng = random.Random(seed)  # question order, identical on every rank
     gen = torch.Generator(device=dev).manual_seed(seed * 1000 + rank)  # rollout sampling, per rank
     torch.manual_seed(seed)  # LoRA initialisation
@@ -154,7 +162,8 @@ def main():
     else:  # rounds finished, GRPO steps, evaluation rows, lines in metrics.jsonl, ranks
         state = dict(done=0, step=0, results=[], metrics_lines=0, world_size=world_size)
     rollout_args = dict(max_turns=max_turns, max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens,
-                        top_k=top_k, temperature=temperature, top_p=top_p, generator=gen, max_rows=rollout_rows)
+                        top_k=top_k, temperature=temperature, top_p=top_p, generator=gen, max_rows=rollout_rows,
+                        search_workers=search_workers)
 
     def record(row, line):
         """One JSON line in metrics.jsonl (none when row is None) and one printed line, on rank 0."""
@@ -200,7 +209,7 @@ def main():
         with FS.gathered(policy):  # each rank its share of the test questions, weights gathered once
             results = EV.evaluate(policy, tokenizer, index, test[rank::world_size], batch=eval_batch,
                                   max_turns=max_turns, top_k=top_k, max_turn_tokens=max_turn_tokens,
-                                  max_obs_tokens=max_obs_tokens)
+                                  max_obs_tokens=max_obs_tokens, search_workers=search_workers)
         summary = EV.summarize(FS.all_ranks(results), "type")
         row.update(summary=summary, grpo_steps=state["step"], seconds=time.time() - t0)
         state["results"].append(row)
@@ -245,18 +254,20 @@ def parse_overrides(argv):
 POSITIVE = ("grpo_steps", "questions_per_step", "ppo_mini_batch", "micro_batch", "warmup_steps", "max_turn_tokens",
             "max_obs_tokens", "top_k", "ofsd_questions", "lora_rank", "lora_epochs", "ofsd_micro_batch",
             "eval_batch", "kl_chunk", "lr", "lora_lr", "lora_alpha", "clip_ratio", "max_grad_norm",
-            "temperature", "tau_clip")
+            "temperature", "tau_clip", "search_workers")
 NOT_NEGATIVE = ("iterations", "max_turns", "test_limit", "kl_coef", "entropy_coef", "seed", "world_seed",
                 "rollout_rows")
 CHOICES = dict(kl_policy=("round", "initial"), ofsd_students=("any", "incorrect"), ofsd_clip=CLIPS,
                dtype=("auto", "float32", "bfloat16"))
 RESUME_MAY_CHANGE = ("resume", "overwrite", "out_dir", "world_dir", "iterations", "eval_batch", "micro_batch",
-                     "kl_chunk", "activation_checkpointing", "rollout_rows")  # paths, length, memory knobs
+                     "kl_chunk", "activation_checkpointing", "rollout_rows", "search_workers")  # paths, length, speed, memory
 
 
 def check_config(cfg):
     """Refuse a setting out of its range before anything is written; the error names the key."""
-    bad = [f"--{k}={cfg[k]}: must be > 0" for k in POSITIVE if not cfg[k] > 0]
+    bad = [f"--{k}={cfg[k]}: must be a finite number" for k, v in cfg.items()
+           if isinstance(v, float) and not math.isfinite(v)]
+    bad += [f"--{k}={cfg[k]}: must be > 0" for k in POSITIVE if not cfg[k] > 0]
     bad += [f"--{k}={cfg[k]}: must be >= 0" for k in NOT_NEGATIVE if not cfg[k] >= 0]
     bad += [f"--{k}={cfg[k]!r}: must be one of {', '.join(v)}" for k, v in CHOICES.items() if cfg[k] not in v]
     if cfg["group_size"] < 2:
@@ -277,6 +288,22 @@ def check_config(cfg):
             bad.append(f"--{key}={cfg[key]}: no such file, or empty")
     if bad:
         raise SystemExit("bad settings, nothing was written:\n  " + "\n  ".join(bad))
+
+
+def check_context(cfg, model_config, prompt_tokens):
+    """A trajectory must fit the model's context: the longest prompt, then max_turns searching turns
+    and the answer-only turn (max_turn_tokens each) and max_turns observations (max_obs_tokens
+    each; the KV cache holds all of it); OFSD's teacher view holds a second response (tau_ref).
+    Refused before any weights or caches are allocated."""
+    response = (cfg["max_turns"] + 1) * (cfg["max_turn_tokens"] + 1) + cfg["max_turns"] * cfg["max_obs_tokens"]
+    longest = prompt_tokens + response * (2 if cfg["ofsd"] else 1)
+    if longest > model_config.max_position_embeddings:
+        raise SystemExit(
+            f"bad settings, nothing was written:\n  a {'teacher view' if cfg['ofsd'] else 'trajectory'} may reach "
+            f"{longest:,} tokens (a prompt of {prompt_tokens} and {'two responses' if cfg['ofsd'] else 'a response'} "
+            f"of up to (--max_turns={cfg['max_turns']} + 1) x (--max_turn_tokens={cfg['max_turn_tokens']} + 1) + "
+            f"--max_turns x --max_obs_tokens={cfg['max_obs_tokens']} = {response:,}), over the model's context of "
+            f"{model_config.max_position_embeddings:,} (max_position_embeddings)")
 
 
 def setup_device(device, dtype):

@@ -43,9 +43,11 @@ import argparse
 import array
 import hashlib
 import json
+import multiprocessing
 import os
 import re
 import shutil
+import weakref
 
 import numpy as np
 from tqdm import tqdm
@@ -54,7 +56,7 @@ STOPWORDS = frozenset(
     "a an and are as at be but by for if in into is it no not of on or such that the their then "
     "there these they this to was will with".split())  # Lucene's EnglishAnalyzer list
 WORD = re.compile(r"\w+")
-FORMAT_VERSION = 2  # 2: meta.json records the analysis (1 had none and never stemmed)
+FORMAT_VERSION = 3  # 3: titles kept as the corpus writes them; 2 stripped their quotes; 1 recorded no analysis
 CHUNK_DOCS = 100_000  # documents per spilled postings run
 INDEX_FILES = {"meta.json", "indptr.npy", "term_max.npy", "docs.npy", "scores.npy", "doc_offsets.npy", "vocab_offsets.npy",
                "docs.bin", "vocab.bin", "runs"}  # everything an index folder (or its build) holds
@@ -201,8 +203,8 @@ def read_corpus(path):
                 if not isinstance(rec, dict):
                     raise TypeError("a corpus line must be a JSON object")
                 if "contents" in rec:
-                    title, _, text = rec["contents"].partition("\n")
-                    title = title.strip().strip('"')
+                    title, _, text = rec["contents"].partition("\n")  # the first line, as written
+                    # (wiki-18's `"Evan Morris"`, quotes included, as Search-R1 shows it)
                 elif "title" in rec and "text" in rec:
                     title, text = rec["title"], rec["text"]
                 else:
@@ -381,8 +383,8 @@ class Index:
             with open(meta_path) as f:
                 self.meta = meta = json.load(f)
             if meta.get("format") != FORMAT_VERSION:
-                raise ValueError(f"index format {meta.get('format')}, expected {FORMAT_VERSION} (format 1 records no "
-                                 "analysis and never stemmed): rebuild it with `python retriever.py build "
+                raise ValueError(f"index format {meta.get('format')}, expected {FORMAT_VERSION} (format 2 stored titles "
+                                 "without their quotes, format 1 recorded no analysis): rebuild it with `python retriever.py build "
                                  f"{meta.get('corpus', 'CORPUS.jsonl')} {index_dir}`")
             if meta.get("analysis", {}).get("stemmer") not in ("porter", None):
                 raise ValueError(f"unknown stemmer {meta['analysis'].get('stemmer')!r}")
@@ -418,6 +420,7 @@ class Index:
         vo = arrays["vocab_offsets"].tolist()
         self.vocab = {raw[vo[i]:vo[i + 1]].decode("utf-8"): i for i in range(meta["n_terms"])}
         self.n_docs = meta["n_docs"]
+        self.index_dir = index_dir
         self.analyzer = Analyzer(stem=meta["analysis"]["stemmer"] == "porter")  # the build's analysis
         self._acc = np.zeros(self.n_docs)  # float64 score accumulator, all-zero between queries
 
@@ -496,9 +499,39 @@ class Index:
         order = np.lexsort((cand, -vals))[:k]
         return list(zip(cand[order].tolist(), vals[order].tolist()))
 
-    def search(self, queries, k):
-        """Batch search: one list of (doc index, score) per query."""
-        return [self.search_one(q, k) for q in queries]
+    def search(self, queries, k, workers=1):
+        """Batch search: one list of (doc index, score) per query. workers > 1 splits the batch
+        over that many worker processes (started once, kept; each maps the same index files, so
+        the page cache is shared); the hits are the same as one worker's."""
+        if workers <= 1 or len(queries) < 2 * workers:
+            return [self.search_one(q, k) for q in queries]
+        pool = self._workers(workers)
+        step = -(-len(queries) // (4 * workers))  # 4 parts a worker: a slow part does not hold the batch up
+        parts = [(queries[i:i + step], k) for i in range(0, len(queries), step)]
+        return [hits for part in pool.imap(_search_part, parts) for hits in part]
+
+    def _workers(self, n):
+        if getattr(self, "_pool", None) is None or self._pool_size != n:
+            if getattr(self, "_pool", None) is not None:
+                self._pool.terminate()
+            method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+            self._pool = multiprocessing.get_context(method).Pool(n, _start_worker, (self.index_dir,))
+            self._pool_size = n
+            weakref.finalize(self, self._pool.terminate)
+        return self._pool
+
+
+_WORKER_INDEX = None  # the index a search worker process serves
+
+
+def _start_worker(index_dir):
+    global _WORKER_INDEX
+    _WORKER_INDEX = Index(index_dir)
+
+
+def _search_part(args):
+    queries, k = args
+    return [_WORKER_INDEX.search_one(q, k) for q in queries]
 
 
 def load_index(index_dir):

@@ -143,10 +143,11 @@ class Trajectory:
 
 @torch.no_grad()
 def rollout(model, tokenizer, retriever, questions, group_size, *, max_turns, max_turn_tokens,
-            max_obs_tokens, top_k, temperature, top_p, generator, contexts=None, max_rows=0):
+            max_obs_tokens, top_k, temperature, top_p, generator, contexts=None, max_rows=0, search_workers=1):
     """Run len(questions) x group_size trajectories; returns them question-major (q0 g0, q0 g1, ...).
     `contexts`: text appended to each question's user message (OFSD's teacher view puts tau_ref there).
-    `max_rows`: decode at most this many trajectories at once (the KV cache's size), 0 = all."""
+    `max_rows`: decode at most this many trajectories at once (the KV cache's size), 0 = all.
+    `search_workers`: processes that share each turn's batch of searches (retriever.Index.search)."""
     with FS.gathered(model):  # a sharded model: weights all-gathered once for the whole batch
         G = group_size
         n = max(1, max_rows // G) if max_rows else len(questions)  # questions per decoding batch
@@ -155,7 +156,8 @@ def rollout(model, tokenizer, retriever, questions, group_size, *, max_turns, ma
             return [t for s in range(0, len(questions), n) for t in rollout(
                 model, tokenizer, retriever, questions[s:s + n], G, max_turns=max_turns,
                 max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens, top_k=top_k,
-                temperature=temperature, top_p=top_p, generator=generator, contexts=contexts[s:s + n])]
+                temperature=temperature, top_p=top_p, generator=generator, contexts=contexts[s:s + n],
+                search_workers=search_workers)]
         contexts = contexts or [""] * len(questions)
         prompts = [tokenizer.encode(tokenizer.chat_prompt(make_prompt(q) + c)) for q, c in zip(questions, contexts)]
         trajs = [Trajectory(q, len(p)) for q, p in zip(questions, prompts) for _ in range(G)]
@@ -202,7 +204,8 @@ def rollout(model, tokenizer, retriever, questions, group_size, *, max_turns, ma
                 else:
                     chunks[r] = invalid_ids
             if searching:
-                hits = retriever.search([trajs[live[r]].queries[-1] for r in searching], top_k)  # one batched call
+                hits = retriever.search([trajs[live[r]].queries[-1] for r in searching], top_k,  # one batched call
+                                        workers=search_workers)
                 for r, h in zip(searching, hits):
                     chunks[r] = tokenizer.encode(observation([retriever.doc(d) for d, _ in h]))[:max_obs_tokens]
             if not going:

@@ -6,7 +6,8 @@ invented names and facts: a city's country, a person's birth city and birth year
 founder, headquarters and founding year. Nothing can be known without searching, and every
 relation has dozens of possible answers, so guessing is hopeless.
 
-Corpus (FlashRAG JSON lines, `contents` = "Title"\\ntext): one passage per entity. Distractors:
+Corpus (FlashRAG JSON lines, `contents` = Title\\ntext: the toy world writes its titles without
+wiki-18's quotes, so an observation reads "Doc 1(Title: Dorto) ..."): one passage per entity. Distractors:
 every given name x family name is a person (21 x 20) and every stem x kind a company (30 x 6), so a
 vague query (a family name alone) finds the wrong person, and passages mention other entities in
 passing (a city lists people born there, a person's passage names a colleague, a company names
@@ -94,7 +95,7 @@ def corpus_records(world):
     for c, f in world["companies"].items():
         recs.append((c, f"{c} was founded by {f['founder']}. {c} was founded in the year {f['year']}. "
                         f"{c} is headquartered in the city of {f['city']}."))
-    return [{"id": str(i), "contents": f'"{t}"\n{x}'} for i, (t, x) in enumerate(recs)]
+    return [{"id": str(i), "contents": f"{t}\n{x}"} for i, (t, x) in enumerate(recs)]
 
 
 def make_questions(world, seed):

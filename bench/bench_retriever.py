@@ -112,7 +112,7 @@ def best_qps(search, n_queries, repeat):
     return n_queries / best, out
 
 
-def run_ours(corpus, queries, repeat, q):
+def run_ours(corpus, queries, repeat, workers, q):
     idx_dir = os.path.join(os.path.dirname(corpus), "index")
     t0 = time.perf_counter()
     R.build_index(corpus, idx_dir)
@@ -121,12 +121,16 @@ def run_ours(corpus, queries, repeat, q):
     index.search(queries[:50], 10)  # warm the page cache
     for s in queries:  # every query word's stem cached, as bm25s is handed the stems untimed
         index.analyzer(s)
-    qps, hits = best_qps(lambda: index.search(queries, 10), len(queries), repeat)
-    q.put(("ours (numpy)", build, peak_rss_mb(), qps, [[i for i, _ in h] for h in hits],
-           index.meta["n_postings"]))
+    rows = []
+    for n in workers:  # worker processes: each maps the index and warms its own stem cache first
+        index.search(queries, 10, workers=n)
+        qps, hits = best_qps(lambda: index.search(queries, 10, workers=n), len(queries), repeat)
+        rows.append((f"ours (numpy), {n} worker{'s' * (n > 1)}", build, peak_rss_mb(), qps,
+                     [[i for i, _ in h] for h in hits], index.meta["n_postings"]))
+    q.put(rows)
 
 
-def run_bm25s(corpus, queries, backend, repeat, q):
+def run_bm25s(corpus, queries, backend, repeat, workers, q):
     import bm25s
     analyze = R.Analyzer()  # one cache of stems for the whole corpus
     tokens = [analyze(f"{t} {x}") for _, _, t, x in R.read_corpus(corpus)]
@@ -136,9 +140,13 @@ def run_bm25s(corpus, queries, backend, repeat, q):
     build = time.perf_counter() - t0
     del tokens
     qt = [analyze(s) for s in queries]  # our analysis's tokens, untimed
-    ret.retrieve(qt[:50], k=10, show_progress=False, n_threads=1)  # warm-up (numba compiles)
-    qps, (docs, _) = best_qps(lambda: ret.retrieve(qt, k=10, show_progress=False, n_threads=1), len(queries), repeat)
-    q.put((f"bm25s ({backend})", build, peak_rss_mb(), qps, docs.tolist(), None))
+    rows = []
+    for n in workers if backend == "numba" else [1]:
+        ret.retrieve(qt[:50], k=10, show_progress=False, n_threads=n)  # warm-up (numba compiles)
+        qps, (docs, _) = best_qps(lambda: ret.retrieve(qt, k=10, show_progress=False, n_threads=n), len(queries),
+                                  repeat)
+        rows.append((f"bm25s ({backend}), {n} thread{'s' * (n > 1)}", build, peak_rss_mb(), qps, docs.tolist(), None))
+    q.put(rows)
 
 
 def brute_force_top10(corpus, queries, k1=0.9, b=0.4):
@@ -182,6 +190,7 @@ def main():
     ap.add_argument("--real", action="store_true", help="Wikipedia passages and FanOutQA questions (see above)")
     ap.add_argument("--check", type=int, default=200, help="queries checked against brute force")
     ap.add_argument("--repeat", type=int, default=3, help="timed passes over the queries; the fastest counts")
+    ap.add_argument("--workers", default="1", help="ours: search worker processes; bm25s-numba: n_threads (e.g. 1,2)")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp()
     corpus = os.path.join(tmp, "corpus.jsonl")
@@ -193,13 +202,14 @@ def main():
     print(f"corpus: {args.docs:,} passages, {os.path.getsize(corpus) / 1e6:.0f} MB, made in "
           f"{time.perf_counter() - t0:.0f}s", file=sys.stderr)
     ctx = mp.get_context("spawn")
-    jobs = [(run_ours, (corpus, queries, args.repeat))]
+    workers = [int(n) for n in args.workers.split(",")]
+    jobs = [(run_ours, (corpus, queries, args.repeat, workers))]
     if not args.skip_bm25s:
         if not args.skip_bm25s_numpy:
-            jobs.append((run_bm25s, (corpus, queries, "numpy", args.repeat)))
+            jobs.append((run_bm25s, (corpus, queries, "numpy", args.repeat, workers)))
         try:
             import numba  # noqa: F401
-            jobs.append((run_bm25s, (corpus, queries, "numba", args.repeat)))
+            jobs.append((run_bm25s, (corpus, queries, "numba", args.repeat, workers)))
         except ImportError:
             print("numba not installed: bm25s-numba skipped", file=sys.stderr)
     results = []
@@ -207,19 +217,26 @@ def main():
         q = ctx.Queue()
         p = ctx.Process(target=fn, args=(*a, q))
         p.start()
-        results.append(q.get())
+        results += q.get()
         p.join()
         print(f"  {results[-1][0]} done", file=sys.stderr)
     bf = brute_force_top10(corpus, queries[: args.check]) if args.check else []
     ours = results[0]
-    print(f"\n{args.docs:,} passages, {ours[5]:,} postings, {len(queries)} queries, top-10, 1 thread\n")
+    print(f"\n{args.docs:,} passages, {ours[5]:,} postings, {len(queries)} queries, top-10\n")
     print("| system | build s | peak RSS MB | queries/s | top-10 = brute force |")
     print("|---|---|---|---|---|")
     for name, build, rss, qps, top, _ in results:
         same = sum(t[:len(w)] == w for t, w in zip(top, bf))
         print(f"| {name} | {build:.1f} | {rss:.0f} | {qps:,.0f} | {same}/{len(bf)} |")
-    for name, _, _, qps, _, _ in results[1:]:
-        print(f"ours / {name} queries/s: {ours[3] / qps:.2f}x")
+    for mine in (r for r in results if r[0].startswith("ours")):
+        n = mine[0].split(", ")[1].split()[0]  # worker count: compared with the peers' same thread count
+        for name, _, _, qps, _, _ in results:
+            if not name.startswith("ours") and (name.endswith(f", {n} thread{'s' * (n != '1')}")):
+                print(f"{mine[0]} / {name} queries/s: {mine[3] / qps:.2f}x")
+    ours_by_n = {r[0]: r[3] for r in results if r[0].startswith("ours")}
+    if len(ours_by_n) > 1:
+        base = results[0][3]
+        print("ours, speed-up over 1 worker: " + ", ".join(f"{k.split(', ')[1]} {v / base:.2f}x" for k, v in ours_by_n.items()))
 
 
 if __name__ == "__main__":

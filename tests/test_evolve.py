@@ -118,3 +118,18 @@ def test_curves_svg_draws_mean_and_band():
     mean_y = float(lines[0].get("points").split()[1].split(",")[1])  # variant a, EM after GRPO: mean 0.5
     lo_y, hi_y = (float(bands[0].get("points").split()[i].split(",")[1]) for i in (4, 1))  # min 0.4, max 0.6
     assert hi_y < mean_y < lo_y and abs(mean_y - (lo_y + hi_y) / 2) < 0.2  # SVG y grows downwards
+
+
+def test_kl_model_is_refreshed_each_round(micro, killed_and_resumed, tmp_path):
+    """kl_policy="round": each GRPO round's first update has KL exactly 0 (the KL model is the policy
+    it starts from); "initial": the second round's first update sees the moved policy (KL > 0)."""
+    full, _ = killed_and_resumed  # 2 iterations, the default kl_policy="round"
+    first = [r for r in map(json.loads, open(os.path.join(full, "metrics.jsonl")))
+             if r["kind"] == "grpo_step" and r["step"] in (1, 3)]  # each round's first step (2 steps a round)
+    assert [r["kl"] for r in first] == [0.0, 0.0]
+    out = str(tmp_path / "initial")
+    p = evolve(micro + ["--iterations=2", "--kl_policy=initial", f"--out_dir={out}"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    first = [r for r in map(json.loads, open(os.path.join(out, "metrics.jsonl")))
+             if r["kind"] == "grpo_step" and r["step"] in (1, 3)]
+    assert first[0]["kl"] == 0.0 and first[1]["kl"] > 0

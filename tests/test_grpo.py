@@ -90,3 +90,29 @@ def test_step_moves_toward_advantaged_samples(agent, tokenizer, search_index):
                  entropy_coef=0.0, temperature=1.0, max_grad_norm=1.0, pad_id=0)
     with torch.no_grad():
         assert GR.token_logprobs(policy, ids, valid, mask, 1.0).sum() > before
+
+
+def test_kl_term_against_a_moved_kl_model(agent, tokenizer, search_index):
+    """With a KL model that differs from the policy, the step's KL is the token mean of (clamped) k3
+    of the two models' log-probs (float64 full forward), and the loss carries kl_coef times it."""
+    trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION, "Ada"], G=3, temperature=1.0,
+                generator=torch.Generator().manual_seed(2))
+    moved = copy.deepcopy(agent)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(0.03 * torch.randn(p.shape, generator=g))
+    ids, valid, mask, old = GR.pad_batch(trajs, 0, "cpu")
+    pred = mask[:, 1:]
+    with torch.no_grad():
+        lp = [torch.log_softmax(m(ids, valid=valid)[:, :-1].double(), -1).gather(-1, ids[:, 1:, None])[..., 0][pred]
+              for m in (agent, moved)]  # (n,) each: policy, KL model
+    d = (lp[1] - lp[0]).clamp(-20, 20)
+    want = (d.exp() - d - 1).clamp(-10, 10).mean().item()  # k3, clamped as grpo.py's docstring says
+    assert want > 1e-3  # the KL model has really moved
+    policy = copy.deepcopy(agent)
+    opt = torch.optim.SGD(policy.parameters(), lr=0.0)
+    m = GR.grpo_step(policy, moved, opt, trajs, [0.0] * len(trajs), micro_batch=4, clip_ratio=0.2, kl_coef=0.5,
+                     entropy_coef=0.0, temperature=1.0, max_grad_norm=1.0, pad_id=0)
+    assert abs(m["kl"] - want) <= 1e-5 * max(1.0, want)
+    assert abs(m["loss"] - (m["pg"] + 0.5 * m["kl"])) <= 1e-6

@@ -181,3 +181,21 @@ def test_bf16_stays_bf16(tiny_checkpoint):
     """Loading with dtype=bfloat16 gives bfloat16 parameters."""
     model, _ = M.load(tiny_checkpoint, dtype=torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 0.8), (0.7, 0.95), (1.3, 1.0)])
+def test_sampler_draws_the_renormalised_nucleus(temperature, top_p):
+    """sample(): tokens follow softmax(logits / T) restricted to the smallest set of mass >= top_p,
+    renormalised; nothing outside it is drawn (200,000 draws, each frequency within 5 sigma)."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.6, 0.0, -1.0, -3.0])
+    p = torch.softmax(logits.double() / temperature, -1)
+    order = p.argsort(descending=True)
+    keep = torch.zeros_like(p, dtype=torch.bool)
+    keep[order[(p[order].cumsum(0) - p[order]) < top_p]] = True  # the nucleus (top_p = 1: every token)
+    want = torch.where(keep, p, 0.0) / p[keep].sum()
+    n = 200_000
+    tok, logp = M.sample(logits.repeat(n, 1), temperature, top_p, torch.Generator().manual_seed(0))
+    freq = torch.bincount(tok, minlength=len(logits)).double() / n
+    assert (freq[~keep] == 0).all()
+    assert ((freq - want).abs() <= 5 * (want * (1 - want) / n).sqrt() + 1e-12).all(), (freq, want)
+    assert torch.allclose(logp.double(), torch.log(p)[tok], atol=1e-5)  # recorded: log p under the full softmax

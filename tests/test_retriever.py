@@ -169,3 +169,15 @@ def test_pruned_topk_equals_brute_force_on_random_queries(small):
             got = index.search([q], k)[0]
             assert [i for i, _ in got] == order[:k], (q, k)
             assert all(abs(s - want[i]) <= 1e-5 * max(1, want[i]) for i, s in got)
+
+
+def test_workers_give_the_same_hits(small):
+    """A batch split over 2 worker processes returns exactly one worker's hits, in order."""
+    _, index = small
+    rng = random.Random(2)
+    vocab = [w.lower() for w in WORDS if w.lower() not in R.STOPWORDS]
+    queries = [" ".join(rng.choice(vocab) for _ in range(rng.randint(1, 5))) for _ in range(57)] + ["the", ""]
+    want = index.search(queries, 3)
+    assert index.search(queries, 3, workers=2) == want
+    assert index.search(queries, 10, workers=3) == index.search(queries, 10)  # another pool size
+    assert index.search(queries[:3], 3, workers=2) == want[:3]  # a batch too small to split

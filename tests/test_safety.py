@@ -93,6 +93,9 @@ def test_metrics_are_cut_back_to_the_checkpoint():
     (dict(micro_batch=0), "--micro_batch=0"), (dict(top_p=1.5), "--top_p=1.5: must be in (0, 1]"),
     (dict(temperature=0.0), "--temperature=0.0"), (dict(dtype="fp8"), "--dtype='fp8'"),
     (dict(train_file="/nonexistent.jsonl"), "--train_file=/nonexistent.jsonl: no such file"),
+    (dict(lr=float("inf")), "--lr=inf: must be a finite number"), (dict(tau_clip=float("nan")), "--tau_clip=nan"),
+    (dict(ofsd_clip="token"), "--ofsd_clip='token': must be one of vocab, position, none"),
+    (dict(search_workers=0), "--search_workers=0"),
 ])
 def test_bad_setting_is_named(change, named):
     """Each out-of-range setting is refused before anything is written, naming key and range."""
@@ -104,6 +107,14 @@ def test_bad_setting_is_named(change, named):
 def test_defaults_pass_the_checks():
     """The shipped configuration passes check_config."""
     E.check_config(good_config())
+
+
+def test_trajectory_longer_than_the_context_is_refused(micro, tmp_path):
+    """Turns that cannot fit the model's context are refused before any allocation, naming the keys."""
+    out = tmp_path / "run"
+    p = evolve(micro + ["--max_turns=100000", f"--out_dir={out}"])
+    assert p.returncode != 0 and not out.exists()
+    assert "--max_turns=100000" in p.stderr and "over the model's context of 32,768" in p.stderr
 
 
 def test_empty_train_file_fails_before_out_dir(micro, tmp_path):

@@ -1,0 +1,267 @@
+"""One command that checks the CUDA path on a lent GPU: prints one table, writes a JSON file.
+
+Sections (each row: what was run, the numbers, ok or not):
+  loss        the Triton kernel against the float64 spec, each clip mode, float32 and bfloat16
+              inputs, odd N and V: max error of the loss and the gradient; then time and peak
+              memory of the spec, chunked, Triton and fused paths at a 3B shape (8,192 positions,
+              d 2,048, V 151,936; the spec only where it fits)
+  generate    tokens/s of model.generate (batched KV-cache decode, bfloat16, random weights) at
+              the 0.5B and 3B shapes, batch 64 and 256, 512-token prompts, 256 new tokens, its
+              prefill time, and transformers' generate on the same weights and prompts
+  loop        evolve.py's real path on the device: one GRPO step (16 questions x 5) and one OFSD
+              round in bfloat16 mixed precision (FSDP2, one rank) on the toy world's questions,
+              with the checkpoint given (--checkpoint or QWEN_CHECKPOINT; else random weights of
+              the 0.5B shape), peak memory against bench_memory's state formula
+  nccl        the same loop on two ranks over NCCL, when the machine has two GPUs (else skipped)
+`--smoke` runs every section on CPU at tiny shapes (the kernel under TRITON_INTERPRET=1, the
+loop on the toy backbone in bfloat16 on one gloo rank) in under two minutes; a test runs it, so
+the script cannot rot between GPU visits.
+
+    python bench/gpu_check.py --out gpu_check.json [--checkpoint DIR]      # on a GPU, ~8 minutes
+    python bench/gpu_check.py --smoke --out /tmp/smoke.json                # anywhere
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernel on CPU tensors (before triton is imported)
+
+import torch  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import clipped_kl  # noqa: E402
+import model  # noqa: E402
+from bench_memory import SIZES, n_params, state_formula  # noqa: E402
+
+DEV = "cpu" if SMOKE else "cuda"
+GiB = 2 ** 30
+
+
+def sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_reset():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib():
+    return torch.cuda.max_memory_allocated() / GiB if DEV == "cuda" else None
+
+
+def timed(fn, repeats=2):
+    """(best wall seconds, peak GiB on CUDA) of fn() over `repeats` runs."""
+    best, peak = float("inf"), None
+    for _ in range(repeats):
+        peak_reset()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+        peak = peak_gib()
+    return best, peak
+
+
+# ----------------------------------------------------------------------------------------------
+# the loss
+
+def loss_rows():
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for clip in clipped_kl.CLIPS:
+        for dtype in (torch.float32, torch.bfloat16):
+            n, v = (13, 3001) if SMOKE else (257, 151_937)
+            s = (torch.randn(n, v, generator=g) * 3).to(dtype)
+            t = (torch.randn(n, v, generator=g) * 3).to(dtype)
+            kl = sorted(clipped_kl.clipped_forward_kl_spec(s[i:i + 1].double(), t[i:i + 1].double(), 0.0, "none").item()
+                        for i in range(n))
+            tau = 0.002 if clip == "vocab" else (kl[n // 2 - 1] + kl[n // 2]) / 2  # "position": about half clipped
+            s64 = s.double().requires_grad_(True)
+            want = clipped_kl.clipped_forward_kl_spec(s64, t.double(), tau, clip)
+            (g_want,) = torch.autograd.grad(want, s64)
+            x = s.to(DEV).requires_grad_(True)
+            got = clipped_kl.clipped_forward_kl(x, t.to(DEV), tau, clip, use_triton=True)
+            (g_got,) = torch.autograd.grad(got, x)
+            loss_err = abs(got.item() - want.item())
+            err = (g_got.double().cpu() - g_want).abs()
+            # the bound of tests/test_clipped_kl.py: one bfloat16 rounding of the gradient, float32 otherwise
+            bound = (2 ** -7 if dtype == torch.bfloat16 else 1e-5) * g_want.abs() + 1e-6 / n
+            worst = (err / bound).max().item()  # <= 1: within the bound everywhere
+            ok = loss_err <= 1e-5 * max(1.0, abs(want.item())) and worst <= 1 and bool(g_want.any())
+            rows.append(dict(section="loss", what=f"triton vs float64, clip={clip}, {str(dtype)[6:]}, N={n} V={v}",
+                             loss_err=loss_err, grad_max_err=err.max().item(), grad_err_over_bound=worst, ok=ok))
+    N, d, V = (64, 32, 1031) if SMOKE else (8192, 2048, 151_936)
+    dt = torch.float32 if SMOKE else torch.bfloat16
+    hs = torch.randn(N, d, device=DEV, dtype=dt)
+    ht = torch.randn(N, d, device=DEV, dtype=dt)
+    w = torch.randn(V, d, device=DEV, dtype=dt) * 0.02
+    zt = (ht @ w.T).contiguous()
+
+    def logits_path(fn):
+        def run():
+            x = hs.clone().requires_grad_(True)
+            fn(x @ w.T).backward()
+        return run
+
+    paths = [("spec (autograd, several (N, V))", logits_path(lambda z: clipped_kl.clipped_forward_kl_spec(z, zt, 0.05))),
+             ("chunked PyTorch", logits_path(lambda z: clipped_kl.clipped_forward_kl(z, zt, 0.05, use_triton=False))),
+             ("Triton kernel", logits_path(lambda z: clipped_kl.clipped_forward_kl(z, zt, 0.05, use_triton=True))),
+             ("fused from hidden states", lambda: clipped_kl.fused_linear_clipped_kl(
+                 hs.clone().requires_grad_(True), ht, w, 0.05, chunk=1024).backward())]
+    for name, fn in paths:
+        try:
+            sec, peak = timed(fn)
+            rows.append(dict(section="loss", what=f"{name}, N={N} d={d} V={V} {str(dt)[6:]}", seconds=sec,
+                             peak_gib=peak, ok=True))
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            rows.append(dict(section="loss", what=f"{name}, N={N} d={d} V={V}", note="out of memory", ok=True))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# generation
+
+def random_model(cfg, dtype):
+    torch.manual_seed(0)
+    m = model.Qwen2(model.Qwen2Config(**cfg)).to(DEV, dtype)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if not n.endswith("norm.weight"):
+                p.normal_(0, 0.02)
+    return m.eval()
+
+
+def generate_rows(tmp):
+    import transformers
+    rows = []
+    tok = model.Tokenizer.train(["the search engine returns documents"] * 10, 300, os.path.join(tmp, "tok.json"))
+    tiny = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, tie_word_embeddings=True)
+    shapes = {"tiny": tiny} if SMOKE else {"0.5B": SIZES["0.5B"], "3B": SIZES["3B"]}
+    batches, prompt_len, new = ((2, 4), 16, 8) if SMOKE else ((64, 256), 512, 256)
+    dt = torch.bfloat16
+    for shape, cfg in shapes.items():
+        ours = random_model(dict(cfg, rope_theta=1e6), dt)
+        folder = os.path.join(tmp, shape)
+        model.save(ours, tok, folder)
+        ref = transformers.Qwen2ForCausalLM.from_pretrained(folder, dtype=dt).to(DEV).eval()
+        for b in batches:
+            prompts = torch.randint(0, cfg["vocab_size"], (b, prompt_len), generator=torch.Generator().manual_seed(b))
+            prefill, _ = timed(lambda: model.generate(ours, tok, prompts.tolist(), 1, stop_ids=[]), repeats=1)
+            sec, peak = timed(lambda: model.generate(ours, tok, prompts.tolist(), new, stop_ids=[]), repeats=1)
+            p = prompts.to(DEV)
+            with torch.no_grad():
+                ref_sec, ref_peak = timed(lambda: ref.generate(
+                    p, attention_mask=torch.ones_like(p), do_sample=False, max_new_tokens=new, min_new_tokens=new,
+                    eos_token_id=None, pad_token_id=0), repeats=1)
+            rows.append(dict(section="generate", what=f"{shape} batch {b}, prompt {prompt_len}, {new} new, bfloat16",
+                             tokens_per_s=b * new / sec, prefill_s=prefill, peak_gib=peak,
+                             transformers_tokens_per_s=b * new / ref_sec, transformers_peak_gib=ref_peak,
+                             speedup=ref_sec / sec, ok=True))
+        del ours, ref
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# the loop: evolve.py on the device, one and two ranks
+
+def loop_rows(tmp, checkpoint):
+    world = os.path.join(tmp, "toyworld")
+    subprocess.run([sys.executable, "toyworld.py", world, "--shipped"], cwd=ROOT, check=True, capture_output=True)
+    if SMOKE or not checkpoint:  # the toy backbone (smoke) or random weights of the 0.5B shape
+        ckpt = os.path.join(world, "backbone")
+        if not SMOKE:
+            ckpt = os.path.join(tmp, "random-0.5B")
+            model.save(random_model(dict(SIZES["0.5B"], rope_theta=1e6), torch.float32).cpu(),
+                       model.load(os.path.join(world, "backbone"))[1], ckpt)
+    else:
+        ckpt = checkpoint
+    q, g = (4, 3) if SMOKE else (16, 5)
+    args = [f"--model_dir={ckpt}", f"--index_dir={world}/index", f"--train_file={world}/train.jsonl",
+            f"--test_file={world}/test.jsonl", "--test_limit=8", "--iterations=1", "--grpo_steps=1",
+            f"--questions_per_step={q}", f"--ppo_mini_batch={q // 2}", f"--group_size={g}", f"--ofsd_questions={q}",
+            "--dtype=bfloat16", "--max_turns=2", f"--max_turn_tokens={24 if SMOKE else 200}",
+            f"--max_obs_tokens={64 if SMOKE else 500}", "--micro_batch=4", "--lora_epochs=1"]
+    P = n_params(model.Qwen2Config.from_json(os.path.join(ckpt, "config.json")))
+    rows = []
+    for ranks in (1, 2):
+        if ranks == 2 and (SMOKE or torch.cuda.device_count() < 2):
+            rows.append(dict(section="nccl", what="2 ranks over NCCL", note="skipped: fewer than 2 GPUs", ok=True))
+            continue
+        out = os.path.join(tmp, f"run{ranks}")
+        launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                        "--nproc_per_node=2"]
+        code = ("import sys, torch, evolve; sys.argv = ['evolve.py'] + sys.argv[1:]; evolve.main(); "
+                "print('PEAK_GIB', torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else -1)")
+        t0 = time.perf_counter()
+        p = subprocess.run(launcher + (["-c", code] if ranks == 1 else ["evolve.py"]) + args +
+                           [f"--out_dir={out}", f"--device={DEV}"], cwd=ROOT, capture_output=True, text=True)
+        sec = time.perf_counter() - t0
+        if p.returncode:
+            rows.append(dict(section="loop" if ranks == 1 else "nccl", what=f"{ranks} rank(s)", ok=False,
+                             note=p.stderr[-1500:]))
+            continue
+        metrics = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+        step = next(m for m in metrics if m["kind"] == "grpo_step")
+        ofsd_round = next(m for m in metrics if m["kind"] == "ofsd_round")
+        peak = float(p.stdout.split("PEAK_GIB")[-1]) if "PEAK_GIB" in p.stdout else None
+        predicted = sum(state_formula(P, ranks).values()) / GiB  # weights, gradients, AdamW, the KL model
+        rows.append(dict(section="loop" if ranks == 1 else "nccl",
+                         what=f"{ranks} rank(s): GRPO step {q}x{g} + OFSD round, bfloat16, {os.path.basename(ckpt)}",
+                         seconds=sec, grpo_loss=step["loss"], grpo_tokens=step["tokens"], ofsd_pairs=ofsd_round["pairs"],
+                         peak_gib=peak if peak is None or peak >= 0 else None, predicted_state_gib=predicted,
+                         ok=all(map(lambda x: x == x, (step["loss"], step["grad_norm"])))))
+    return rows
+
+
+def fmt(row):
+    keys = [k for k in row if k not in ("section", "what", "ok")]
+    cells = ", ".join(f"{k} {row[k]:.4g}" if isinstance(row[k], float) else f"{k} {row[k]}" for k in keys
+                      if row[k] is not None and k != "note") + (f" ({row['note'][:200]})" if "note" in row else "")
+    return f"| {row['section']} | {row['what']} | {cells} | {'ok' if row['ok'] else 'FAIL'} |"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true", help="every section on CPU at tiny shapes (minutes)")
+    ap.add_argument("--out", default="gpu_check.json")
+    ap.add_argument("--checkpoint", default=os.environ.get("QWEN_CHECKPOINT", ""))
+    ap.add_argument("--sections", default="loss,generate,loop")
+    args = ap.parse_args()
+    if not SMOKE and not torch.cuda.is_available():
+        sys.exit("no CUDA device: run with --smoke for the CPU check")
+    rows, t0 = [], time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, fn in (("loss", loss_rows), ("generate", lambda: generate_rows(tmp)),
+                         ("loop", lambda: loop_rows(tmp, args.checkpoint))):
+            if name in args.sections.split(","):
+                t1 = time.time()
+                rows += fn()
+                print(f"  {name}: {time.time() - t1:.0f}s", file=sys.stderr, flush=True)
+    device = "CPU (smoke)" if SMOKE else torch.cuda.get_device_name()
+    print(f"\ngpu_check on {device}, torch {torch.__version__}, {time.time() - t0:.0f}s\n")
+    print("| section | what | numbers | ok |\n|---|---|---|---|")
+    for row in rows:
+        print(fmt(row))
+    with open(args.out + ".tmp", "w") as f:
+        json.dump(dict(device=device, torch=torch.__version__, smoke=SMOKE, rows=rows), f, indent=1)
+    os.replace(args.out + ".tmp", args.out)
+    sys.exit(0 if all(r["ok"] for r in rows) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""bench/gpu_check.py --smoke: every section of the GPU check runs on CPU at tiny shapes."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_smoke_runs_every_section(tmp_path):
+    """The smoke run prints its table, writes its JSON, and every section's rows pass."""
+    out = tmp_path / "smoke.json"
+    p = subprocess.run([sys.executable, "bench/gpu_check.py", "--smoke", f"--out={out}"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "| section | what | numbers | ok |" in p.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["section"] for r in rows} == {"loss", "generate", "loop", "nccl"}
+    assert all(r["ok"] for r in rows)
+    assert sum(r["section"] == "loss" and "err_over_bound" in str(r) for r in rows) == 6  # 3 clips x 2 dtypes
+    loop = next(r for r in rows if r["section"] == "loop")
+    assert loop["grpo_tokens"] > 0 and loop["ofsd_pairs"] >= 0
