@@ -58,12 +58,13 @@ test_limit = 0                 # evaluate on the first N test questions; 0 = all
 iterations = 2                 # GRPO round + OFSD round pairs
 grpo_steps = 25                # GRPO optimizer steps per round
 questions_per_step = 16        # questions rolled out per GRPO step, over all ranks  (512)
-ppo_mini_batch = 8             # questions per optimizer update: questions_per_step / ppo_mini_batch
-                               # updates a step, from the second on the clip acts      (256)
+ppo_mini_batch = 8             # questions per optimizer update: questions_per_step // ppo_mini_batch
+                               # updates a step, from the second on the clip acts
+                               # (51: the anchor's 256 trajectories = 51.2 groups of 5, 10 updates)
 group_size = 5                 # G rollouts per question                      (5)
 micro_batch = 20               # trajectories per forward/backward            (memory-bound)
 lr = 2e-4                      # GRPO AdamW learning rate                     (1e-6)
-warmup_steps = 3               # linear warm-up of the GRPO learning rate
+warmup_steps = 3               # linear warm-up of the GRPO learning rate (0.285 of the run's steps)
 kl_coef = 0.001                # KL-term coefficient (k3 estimator)           (0.001)
 entropy_coef = 0.001           # entropy bonus: loss -= entropy_coef * token-mean entropy  (0.001)
 kl_policy = "round"            # the KL term's model: "round" = the policy this GRPO round started
@@ -72,8 +73,9 @@ kl_policy = "round"            # the KL term's model: "round" = the policy this 
 clip_ratio = 0.2               # PPO clip epsilon                             (0.2)
 max_grad_norm = 1.0            # gradient-norm clip                           (1.0)
 temperature = 1.0              # rollout sampling temperature                 (1.0)
-top_p = 1.0                    # rollout nucleus sampling                     (1.0; 0.95 in some versions)
-max_turns = 4                  # searching turns before the answer-only turn  (4)
+top_p = 1.0                    # rollout nucleus sampling                     (0.95)
+max_turns = 4                  # searching turns before the answer-only turn  (2; the toy's three-hop
+                               # questions need 3 searches and the agent's checks one more)
 max_turn_tokens = 80           # per-turn response cap                        (500)
 max_obs_tokens = 256           # observation cap                              (500)
 top_k = 3                      # documents per search                         (3)
@@ -120,10 +122,12 @@ def main():
         CK.check_resume(ckpt_dir, config, world_size, RESUME_MAY_CHANGE)
     else:
         CK.check_run_dir(out_dir, overwrite)
-    if ppo_mini_batch % world_size or ofsd_questions < world_size:
-        raise SystemExit(f"--ppo_mini_batch={ppo_mini_batch} must be a multiple of the number of ranks "
-                         f"({world_size}) and --ofsd_questions={ofsd_questions} at least that: every rank "
-                         "needs questions, and the same number of training passes")
+    ppo_updates = questions_per_step // ppo_mini_batch
+    if questions_per_step % world_size or questions_per_step // world_size < ppo_updates or ofsd_questions < world_size:
+        raise SystemExit(f"--questions_per_step={questions_per_step} must be a multiple of the number of ranks "
+                         f"({world_size}) with at least one question per rank for each of its {ppo_updates} "
+                         f"updates, and --ofsd_questions={ofsd_questions} at least the number of ranks: every "
+                         "rank needs questions, and the same number of training passes")
     CK.barrier()  # every rank has checked before any rank writes
 
     # -----------------------------------------------------------------------------------------
@@ -190,7 +194,7 @@ def main():
             grpo.grpo_round(
                 policy, kl_model, optimizer, tokenizer, index, lambda: sample_questions(questions_per_step),
                 steps=grpo_steps, first_step=state["step"], lr=lr, warmup_steps=warmup_steps,
-                group_size=group_size, ppo_updates=questions_per_step // ppo_mini_batch,
+                group_size=group_size, ppo_updates=ppo_updates,
                 micro_batch=micro_batch, clip_ratio=clip_ratio, kl_coef=kl_coef, entropy_coef=entropy_coef,
                 max_grad_norm=max_grad_norm, rollout_args=rollout_args,
                 log=lambda m: record(dict(kind="grpo_step", iteration=it, **m,  # what each rank holds:
@@ -273,8 +277,8 @@ def check_config(cfg):
     if cfg["group_size"] < 2:
         bad.append(f"--group_size={cfg['group_size']}: must be >= 2 (a group of one has no advantage "
                    "and gives no OFSD pair)")
-    if cfg["ppo_mini_batch"] > 0 and cfg["questions_per_step"] % cfg["ppo_mini_batch"]:
-        bad.append(f"--ppo_mini_batch={cfg['ppo_mini_batch']}: must divide --questions_per_step="
+    if cfg["ppo_mini_batch"] > cfg["questions_per_step"]:
+        bad.append(f"--ppo_mini_batch={cfg['ppo_mini_batch']}: must be at most --questions_per_step="
                    f"{cfg['questions_per_step']}")
     if not 0 < cfg["top_p"] <= 1:
         bad.append(f"--top_p={cfg['top_p']}: must be in (0, 1]")
