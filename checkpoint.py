@@ -23,8 +23,8 @@ import time
 import torch
 import torch.distributed as dist
 
-import fsdp as FS
-import model as M
+import fsdp
+from model import save
 
 
 def barrier():
@@ -61,9 +61,7 @@ def claim_run_dir(out_dir):
         elif os.path.exists(path):
             os.remove(path)
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, RUN_MARKER + ".tmp"), "w") as f:
-        json.dump(dict(created=time.strftime("%Y-%m-%d %H:%M:%S")), f)
-    os.replace(os.path.join(out_dir, RUN_MARKER + ".tmp"), os.path.join(out_dir, RUN_MARKER))
+    write_atomic(os.path.join(out_dir, RUN_MARKER), json.dumps(dict(created=time.strftime("%Y-%m-%d %H:%M:%S"))))
 
 
 def check_resume(ckpt_dir, config, world_size, may_change):
@@ -94,8 +92,13 @@ def keep_first_lines(path, n):
         return
     with open(path) as f:
         lines = f.readlines()[:n]
+    write_atomic(path, "".join(lines))
+
+
+def write_atomic(path, text):
+    """Write `text` to `path` under a temporary name, then rename: a reader never sees half a file."""
     with open(path + ".tmp", "w") as f:
-        f.writelines(lines)
+        f.write(text)
     os.replace(path + ".tmp", path)
 
 
@@ -108,13 +111,13 @@ def save_checkpoint(ckpt_dir, policy, tokenizer, optimizer, rng, gen, state, ran
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     barrier()
-    weights = FS.full_state_dict(policy)  # gathered on rank 0 when sharded
+    weights = fsdp.full_state_dict(policy)  # gathered on rank 0 when sharded
     if rank == 0:
-        M.save(policy, tokenizer, os.path.join(tmp, "model"), weights)
+        save(policy, tokenizer, os.path.join(tmp, "model"), weights)
         py = rng.getstate()
         with open(os.path.join(tmp, "state.json"), "w") as f:
             json.dump(dict(state, py_rng=[py[0], list(py[1]), py[2]]), f)
-    FS.save_optimizer(policy, optimizer, os.path.join(tmp, "optimizer"))
+    fsdp.save_optimizer(policy, optimizer, os.path.join(tmp, "optimizer"))
     torch.save(dict(gen=gen.get_state(), torch=torch.get_rng_state()), os.path.join(tmp, f"rng{rank}.pt"))
     barrier()
     if rank == 0:
@@ -137,7 +140,7 @@ def load_checkpoint(ckpt_dir, policy, optimizer, rank, rng, gen):
     """Restore the optimizer (onto the policy as laid out now), rng, gen; returns the run state."""
     with open(os.path.join(ckpt_dir, "state.json")) as f:
         state = json.load(f)
-    FS.load_optimizer(policy, optimizer, os.path.join(ckpt_dir, "optimizer"))
+    fsdp.load_optimizer(policy, optimizer, os.path.join(ckpt_dir, "optimizer"))
     rng_state = torch.load(os.path.join(ckpt_dir, f"rng{rank}.pt"), weights_only=True)
     gen.set_state(rng_state["gen"])
     torch.set_rng_state(rng_state["torch"])

@@ -18,20 +18,22 @@ import sys
 
 import torch
 
-import model as M
+from checkpoint import write_atomic
+from model import load
 from retriever import load_index
 from rollout import SEARCH_R1_SETTINGS, exact_match, rollout
 
 
 def evaluate(model, tokenizer, index, questions, *, batch, max_turns, max_turn_tokens, max_obs_tokens, top_k,
-             search_workers=1):
+             rollout_rows=0, search_workers=1):
     """Greedy rollouts for FlashRAG-format questions -> one result dict per question."""
     out = []
     for s in range(0, len(questions), batch):
         part = questions[s:s + batch]
         trajs = rollout(model, tokenizer, index, [q["question"] for q in part], 1, max_turns=max_turns,
                         max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens, top_k=top_k,
-                        temperature=0.0, top_p=1.0, generator=None, search_workers=search_workers)
+                        temperature=0.0, top_p=1.0, generator=None, rollout_rows=rollout_rows,
+                        search_workers=search_workers)
         for q, t in zip(part, trajs):
             out.append(dict(question=q["question"], golden_answers=q["golden_answers"], type=q.get("type"),
                             answer=t.answer, em=exact_match(t.answer, q["golden_answers"]),
@@ -161,7 +163,7 @@ def main():
     ap.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
     args = ap.parse_args()
     data = {path: read_questions(path, args.limit) for path in args.data.split(",")}  # every file, first
-    model, tok = M.load(args.model, args.device, getattr(torch, args.dtype))
+    model, tok = load(args.model, args.device, getattr(torch, args.dtype))
     index = load_index(args.index)
     table, everything = [], []
     for path, qs in data.items():
@@ -173,10 +175,7 @@ def main():
         for group, s in summarize(res, "type").items():
             table.append((name if group == "all" else f"{name}/{group}", s))
         everything += [dict(r, data=name) for r in res]
-    with open(args.out + ".tmp", "w") as f:
-        for r in everything:
-            f.write(json.dumps(r) + "\n")
-    os.replace(args.out + ".tmp", args.out)
+    write_atomic(args.out, "".join(json.dumps(r) + "\n" for r in everything))
     print("\n| data | n | EM | searches/q | format |\n|---|---|---|---|---|")
     for name, s in table:
         print(f"| {name} | {s['n']} | {s['em']:.3f} | {s['searches']:.2f} | {s['format']:.2f} |")

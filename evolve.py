@@ -15,7 +15,7 @@ The method, and where this code departs from Search-R1 and why, is METHOD.md. Wi
 it trains on the built-in toy world (toyworld.py; written on first use, with the backbone that
 toyagent.py ships for world seed 0) and prints a results table. Any constant below can be
 overridden as --key=value; `--resume` continues a killed run from its last checkpoint.
-Real-scale settings (the anchor's values) are in the comments and in the README.
+Real-scale settings (the anchor's values) are in the comments and in docs/real-scale.md.
 
     python evolve.py                                   # the toy world, CPU, minutes
     python evolve.py --ofsd=False --out_dir=runs/grpo  # the GRPO-only ablation
@@ -35,12 +35,13 @@ import time
 import torch
 import torch.distributed as dist
 
-import checkpoint as CK
-import eval as EV
-import fsdp as FS
+import checkpoint
+from eval import curves_svg, evaluate, read_questions, summarize
+import fsdp
 import grpo
-import model as M
-import ofsd as OF
+from model import Qwen2Config, load
+from tokenizer import Tokenizer
+from ofsd import PRIVILEGED, ofsd_round
 import toyagent
 from clipped_kl import CLIPS
 from retriever import load_index
@@ -82,7 +83,7 @@ top_k = 3                      # documents per search                         (3
 search_workers = 1             # BM25 worker processes per rank for a turn's searches; 1 = in-process
                                #                                              (8+ at wiki-18 scale; docs/)
 rollout_rows = 0               # trajectories decoded at once per rank (bounds the KV cache); 0 = all
-                               #                                              (64 at 3B/7B; README)
+                               #                                              (64 at 3B/7B; docs/real-scale.md)
 ofsd = True                    # False: the GRPO-only ablation (same GRPO steps, no OFSD rounds)
 ofsd_questions = 64            # questions rolled out to mine pairs per OFSD round
 ofsd_students = "any"          # "any": the paper's rule (an incorrect sibling, else a correct one);
@@ -119,16 +120,16 @@ def main():
     master = rank == 0
     ckpt_dir, metrics_path = os.path.join(out_dir, "checkpoint"), os.path.join(out_dir, "metrics.jsonl")
     if resume:
-        CK.check_resume(ckpt_dir, config, world_size, RESUME_MAY_CHANGE)
+        checkpoint.check_resume(ckpt_dir, config, world_size, RESUME_MAY_CHANGE)
     else:
-        CK.check_run_dir(out_dir, overwrite)
+        checkpoint.check_run_dir(out_dir, overwrite)
     ppo_updates = questions_per_step // ppo_mini_batch
     if questions_per_step % world_size or questions_per_step // world_size < ppo_updates or ofsd_questions < world_size:
         raise SystemExit(f"--questions_per_step={questions_per_step} must be a multiple of the number of ranks "
                          f"({world_size}) with at least one question per rank for each of its {ppo_updates} "
                          f"updates, and --ofsd_questions={ofsd_questions} at least the number of ranks: every "
                          "rank needs questions, and the same number of training passes")
-    CK.barrier()  # every rank has checked before any rank writes
+    checkpoint.barrier()  # every rank has checked before any rank writes
 
     # -----------------------------------------------------------------------------------------
     # setup: data, the policy and the KL term's model, optimizer, random state (or a checkpoint)
@@ -136,38 +137,39 @@ def main():
     if not (model_dir and index_dir and train_file and test_file):
         if master:
             toyagent.ensure(world_dir, world_seed, top_k)
-        CK.barrier()
+        checkpoint.barrier()
     index = load_index(index_dir or os.path.join(world_dir, "index"))
-    train = EV.read_questions(train_file or os.path.join(world_dir, "train.jsonl"))
-    test = EV.read_questions(test_file or os.path.join(world_dir, "test.jsonl"), test_limit)
-    tokenizer = M.Tokenizer(os.path.join(start_model, "tokenizer.json"))
+    train = read_questions(train_file or os.path.join(world_dir, "train.jsonl"))
+    test = read_questions(test_file or os.path.join(world_dir, "test.jsonl"), test_limit)
+    tokenizer = Tokenizer(os.path.join(start_model, "tokenizer.json"))
     longest = max((q["question"] for q in train + test), key=len)
-    check_context(config, M.Qwen2Config.from_json(os.path.join(start_model, "config.json")),
-                  len(tokenizer.encode(tokenizer.chat_prompt(make_prompt(longest)))) + len(tokenizer.encode(OF.PRIVILEGED)))
+    check_context(config, Qwen2Config.from_json(os.path.join(start_model, "config.json")),
+                  len(tokenizer.encode(tokenizer.chat_prompt(make_prompt(longest)))) + len(tokenizer.encode(PRIVILEGED)))
     rng = random.Random(seed)  # question order, identical on every rank
     gen = torch.Generator(device=dev).manual_seed(seed * 1000 + rank)  # rollout sampling, per rank
     torch.manual_seed(seed)  # LoRA initialisation
     if not resume and master:
-        CK.claim_run_dir(out_dir)
-    CK.barrier()
+        checkpoint.claim_run_dir(out_dir)
+    checkpoint.barrier()
     # float32 weights; sharded over the ranks (fsdp.py) with compute in dt when distributed or dt is
     # not float32 (mixed precision: float32 master weights and AdamW state, bfloat16 compute)
-    policy, tokenizer = M.load(CK.recover(ckpt_dir, rank) if resume else start_model, dev, torch.float32)
-    kl_model = M.load(start_model, dev, torch.float32)[0]  # kl_policy "round": the policy's copy each round
+    policy, tokenizer = load(checkpoint.recover(ckpt_dir, rank) if resume else start_model, dev, torch.float32)
+    kl_model = load(start_model, dev, torch.float32)[0]  # kl_policy "round": the policy's copy each round
     if dist.is_initialized():
-        FS.shard(policy, dt)
-        FS.shard(kl_model, dt)
+        fsdp.shard(policy, dt)
+        fsdp.shard(kl_model, dt)
     policy.checkpoint_layers = activation_checkpointing
     optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
     if resume:
-        state = CK.load_checkpoint(ckpt_dir, policy, optimizer, rank, rng, gen)
+        state = checkpoint.load_checkpoint(ckpt_dir, policy, optimizer, rank, rng, gen)
         if master:  # the rows a killed round wrote after its last checkpoint go; they are redone
-            CK.keep_first_lines(metrics_path, state["metrics_lines"])
+            checkpoint.keep_first_lines(metrics_path, state["metrics_lines"])
     else:  # rounds finished, GRPO steps, evaluation rows, lines in metrics.jsonl, ranks
         state = dict(done=0, step=0, results=[], metrics_lines=0, world_size=world_size)
-    rollout_args = dict(max_turns=max_turns, max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens,
-                        top_k=top_k, temperature=temperature, top_p=top_p, generator=gen, max_rows=rollout_rows,
-                        search_workers=search_workers)
+    # the task as every rollout and evaluation runs it, then the sampling of the training rollouts
+    protocol = dict(max_turns=max_turns, max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens, top_k=top_k,
+                    rollout_rows=rollout_rows, search_workers=search_workers)
+    rollout_args = dict(protocol, temperature=temperature, top_p=top_p)
 
     def record(row, line):
         """One JSON line in metrics.jsonl (none when row is None) and one printed line, on rank 0."""
@@ -190,43 +192,42 @@ def main():
         t0, row = time.time(), dict(round=r, after=kind, iteration=it)
         if kind == "grpo":
             if kl_policy == "round":
-                FS.copy_weights(kl_model, policy)
+                fsdp.copy_weights(kl_model, policy)
             grpo.grpo_round(
                 policy, kl_model, optimizer, tokenizer, index, lambda: sample_questions(questions_per_step),
                 steps=grpo_steps, first_step=state["step"], lr=lr, warmup_steps=warmup_steps,
                 group_size=group_size, ppo_updates=ppo_updates,
                 micro_batch=micro_batch, clip_ratio=clip_ratio, kl_coef=kl_coef, entropy_coef=entropy_coef,
-                max_grad_norm=max_grad_norm, rollout_args=rollout_args,
+                max_grad_norm=max_grad_norm, rollout_args=rollout_args, generator=gen,
                 log=lambda m: record(dict(kind="grpo_step", iteration=it, **m,  # what each rank holds:
-                                          state_bytes=FS.state_bytes(policy, optimizer, kl_model)), grpo_line(m, it)))
+                                          state_bytes=fsdp.state_bytes(policy, optimizer, kl_model)), grpo_line(m, it)))
             state["step"] += grpo_steps
         elif kind == "ofsd":
-            m = OF.ofsd_round(
+            m = ofsd_round(
                 policy, tokenizer, index, sample_questions(ofsd_questions), group_size=group_size,
-                rollout_args=rollout_args, students=ofsd_students, lora_rank=lora_rank, lora_alpha=lora_alpha,
-                lr=lora_lr, epochs=lora_epochs, micro_batch=ofsd_micro_batch, tau_clip=tau_clip, ofsd_clip=ofsd_clip,
-                max_grad_norm=max_grad_norm, kl_chunk=kl_chunk, seed=seed * 7919 + r,
+                rollout_args=rollout_args, generator=gen, ofsd_students=ofsd_students, lora_rank=lora_rank,
+                lora_alpha=lora_alpha, lora_lr=lora_lr, lora_epochs=lora_epochs, ofsd_micro_batch=ofsd_micro_batch,
+                tau_clip=tau_clip, ofsd_clip=ofsd_clip, max_grad_norm=max_grad_norm, kl_chunk=kl_chunk,
+                seed=seed * 7919 + r,
                 log=lambda epoch, n, loss: record(
                     None, f"ofsd | it {it} | epoch {epoch} | step {n:4d} | loss {loss:.5f}"))
             row.update({k: v for k, v in m.items() if k != "losses"})  # counts, KL, diagnostics
             record(dict(kind="ofsd_round", **row, losses=m["losses"]), ofsd_line(row, m))
-        with FS.gathered(policy):  # each rank its share of the test questions, weights gathered once
-            results = EV.evaluate(policy, tokenizer, index, test[rank::world_size], batch=eval_batch,
-                                  max_turns=max_turns, top_k=top_k, max_turn_tokens=max_turn_tokens,
-                                  max_obs_tokens=max_obs_tokens, search_workers=search_workers)
-        summary = EV.summarize(FS.all_ranks(results), "type")
+        with fsdp.gathered(policy):  # each rank its share of the test questions, weights gathered once
+            results = evaluate(policy, tokenizer, index, test[rank::world_size], batch=eval_batch, **protocol)
+        summary = summarize(fsdp.all_ranks(results), "type")
         row.update(summary=summary, grpo_steps=state["step"], seconds=time.time() - t0)
         state["results"].append(row)
         record(dict(kind="eval", **row), eval_line(row))
         if master:
-            write_file(os.path.join(out_dir, "curves.svg"), EV.curves_svg({out_dir: [state["results"]]}))
+            checkpoint.write_atomic(os.path.join(out_dir, "curves.svg"), curves_svg({out_dir: [state["results"]]}))
         state["done"] = r + 1
-        CK.save_checkpoint(ckpt_dir, policy, tokenizer, optimizer, rng, gen, dict(state, config=config), rank)
+        checkpoint.save_checkpoint(ckpt_dir, policy, tokenizer, optimizer, rng, gen, dict(state, config=config), rank)
 
     if master:
         table = results_table(state["results"])
         print("\n" + table)
-        write_file(os.path.join(out_dir, "results.md"), table + "\n")
+        checkpoint.write_atomic(os.path.join(out_dir, "results.md"), table + "\n")
     if dist.is_initialized():
         dist.barrier()  # no rank tears its group down while another still talks to it (gloo aborts)
         dist.destroy_process_group()
@@ -355,13 +356,6 @@ def eval_line(row):
     return (f"eval | round {row['round']} {row['after'] if row['after'] != 'start' else 'eval'} | "
             f"EM {s['all']['em']:.3f} | " + " | ".join(f"{k} {v['em']:.3f}" for k, v in s.items() if k != "all") +
             f" | searches {s['all']['searches']:.2f} | format {s['all']['format']:.2f}")
-
-
-def write_file(path, text):
-    """Write through a temporary name, then rename: a reader never sees half a file."""
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
 
 
 def results_table(results):

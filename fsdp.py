@@ -8,7 +8,8 @@ so every rank holds 1/N of every float32 parameter, and AdamW's moments only for
 (float32 master weights and optimizer state); a layer's weights are all-gathered in the compute
 dtype just before it runs and freed after it, and gradients are reduce-scattered in float32.
 The GRPO loss is already divided by the token count of all ranks, so gradients are summed over
-ranks, not averaged. On one CPU process in float32 (the toy main job) nothing here runs.
+ranks, not averaged. On one CPU process in float32 (the toy main job) nothing is sharded and
+every helper below falls through to the plain model.
 
 Generation is many small forward passes: `gathered(model)` all-gathers the weights once for a
 whole rollout batch (or evaluation), keeps them through every step, and frees them after.

@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import fsdp as FS
-import model as M
+import fsdp
+from model import pad_right
 from rollout import em_rewards, rollout
 
 
@@ -45,8 +45,8 @@ def group_advantages(rewards, group_size, eps=1e-6):
 
 def pad_batch(trajs, pad_id, device):
     """Right-pad trajectories -> ids, valid, loss_mask (B, T) and the rollout log-probs (B, T)."""
-    ids, valid = M.pad_right([t.tokens for t in trajs], pad_id, device)
-    mask = M.pad_right([t.loss_mask for t in trajs], 0, device)[0].bool()
+    ids, valid = pad_right([t.tokens for t in trajs], pad_id, device)
+    mask = pad_right([t.loss_mask for t in trajs], 0, device)[0].bool()
     old = torch.zeros(ids.shape, device=device)
     for i, t in enumerate(trajs):
         old[i, :len(t.logprobs)] = torch.tensor(t.logprobs, device=device)
@@ -107,7 +107,7 @@ def grpo_step(model, kl_model, optimizer, trajs, advantages, *, micro_batch, cli
                                                 entropy, entropy_coef)
         (loss.sum() / n_tokens).backward()
         sums += torch.stack([loss.sum(), pg.sum(), kl.sum(), clipped.float().sum(), entropy.sum()]).detach()
-    FS.reshard(kl_model)  # a sharded root keeps its gathered weights after a no-grad forward: free them
+    fsdp.reshard(kl_model)  # a sharded root keeps its gathered weights after a no-grad forward: free them
     if dist.is_initialized():
         dist.all_reduce(sums)
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -115,19 +115,19 @@ def grpo_step(model, kl_model, optimizer, trajs, advantages, *, micro_batch, cli
     optimizer.step()
     sums /= n_tokens
     return dict(loss=sums[0].item(), pg=sums[1].item(), kl=sums[2].item(), clip_frac=sums[3].item(),
-                entropy=sums[4].item(), grad_norm=FS.local(grad_norm).item(), tokens=int(n_tokens.item()))
+                entropy=sums[4].item(), grad_norm=fsdp.local(grad_norm).item(), tokens=int(n_tokens.item()))
 
 
 def grpo_round(policy, kl_model, optimizer, tokenizer, index, next_questions, *, steps, first_step, lr,
                warmup_steps, group_size, ppo_updates, micro_batch, clip_ratio, kl_coef, entropy_coef,
-               max_grad_norm, rollout_args, log):
+               max_grad_norm, rollout_args, generator, log):
     """`steps` GRPO steps of `policy`, each on a fresh rollout batch: sample questions, roll out G
     trajectories each, reward by EM, group advantages, then one pass over the batch in
     `ppo_updates` shuffled mini-batches of whole groups, one PPO-clip + KL update each (from the
     second on, the ratio to the rollout policy departs from 1 and the clip acts). `kl_model` is
     the KL term's model; `next_questions()` gives this rank's questions for one step; the learning
     rate warms up linearly over the run's first `warmup_steps` steps (`first_step` = steps before
-    this round). `log(metrics)` is called after every step; returns the list of step metrics,
+    this round); `generator` draws the samples and the mini-batch order. `log(metrics)` is called after every step; returns the list of step metrics,
     each with its updates' own metrics under "updates"."""
     history, device = [], policy.model.embed_tokens.weight.device
     policy.train()
@@ -137,15 +137,14 @@ def grpo_round(policy, kl_model, optimizer, tokenizer, index, next_questions, *,
         questions = next_questions()
         with torch.no_grad():
             trajs = rollout(policy, tokenizer, index, [q["question"] for q in questions], group_size,
-                            **rollout_args)
+                            generator=generator, **rollout_args)
         rewards = em_rewards(trajs, questions, group_size)
         advantages = group_advantages(rewards, group_size).tolist()
         for g in optimizer.param_groups:
             g["lr"] = lr * min(1.0, step / warmup_steps)
         order = list(range(len(questions)))  # questions of this rank, each with its G trajectories
         if ppo_updates > 1:
-            gen = rollout_args["generator"]
-            order = torch.randperm(len(order), generator=gen, device=gen.device).tolist()
+            order = torch.randperm(len(order), generator=generator, device=generator.device).tolist()
         updates = []
         for u in range(ppo_updates):  # equal shares (one more for the first len % ppo_updates)
             part = [i * group_size + j for i in order[u::ppo_updates] for j in range(group_size)]

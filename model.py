@@ -1,4 +1,4 @@
-"""Qwen2 / Qwen2.5 in plain PyTorch: model, tokenizer, chat template, KV-cache generation.
+"""Qwen2 / Qwen2.5 in plain PyTorch: the network and its Hugging Face checkpoint files.
 
 The architecture is Qwen2ForCausalLM (every Qwen2.5 size, 0.5B to 72B, uses it):
     h = embed(ids)
@@ -9,23 +9,23 @@ The architecture is Qwen2ForCausalLM (every Qwen2.5 size, 0.5B to 72B, uses it):
           (theta from the config) on q and k; scaled_dot_product_attention.
     MLP:  down(silu(gate(x)) * up(x))   (SwiGLU)
 
-Padding and caching share one mechanism. A `KVCache` is preallocated for (batch, max_len) and
+Padding and caching share one mechanism. A KV cache (generate.py's `KVCache`) is preallocated for (batch, max_len) and
 holds, per row, which cache slots hold a real token (`valid`) and the next rotary position
 (`next_pos`). Every forward appends a (B, T) chunk to the same slots of every row; a row whose
 chunk is shorter marks its trailing slots invalid. So ragged prompts are right-padded into the
 cache, forced tokens (retrieved text) are appended without recomputing anything, and attention
 masks are always "valid and not in the future".
 
-Left out on purpose: sliding-window attention and rope scaling (Qwen2.5 does not use them at
-<= 32k tokens; such configs are rejected), flash/paged attention, tensor parallelism,
-speculative decoding, beam search.
+The tokenizer and chat template are tokenizer.py's; the cache and decoding are generate.py's.
 
-    python model.py CHECKPOINT_DIR "Why is the sky blue?"     # greedy chat demo
+Left out on purpose: sliding-window attention and rope scaling (Qwen2.5 does not use them at
+<= 32k tokens; such configs are rejected), flash/paged attention, tensor parallelism.
+
+    python model.py CHECKPOINT_DIR        # the checkpoint's config and parameter count
 """
 
 import json
 import os
-import re
 import shutil
 import sys
 from dataclasses import asdict, dataclass
@@ -36,31 +36,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
-from tokenizers import Tokenizer as _HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # Qwen's ids 151643-151645
-
-# Qwen2's chat template (Jinja, as Hugging Face folders store it in tokenizer_config.json): the one
-# that tokenizers trained here (the toy backbone's) carry. Real checkpoints bring their own.
-QWEN2_CHAT_TEMPLATE = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
-    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-# the Jinja string literal that opens the conversation with a default system message
-_DEFAULT_SYSTEM = re.compile(r"""'<\|im_start\|>system\\n((?:[^'\\]|\\.)*?)<\|im_end\|>\\n'""")
-
-
-def default_system_message(template, source):
-    """The system message a ChatML chat template (Qwen2, Qwen2.5) puts first when the conversation
-    has none, found in the template's text; `source` names the file in errors. With it, the one
-    case this project renders (one user message, the generation prompt) needs no Jinja."""
-    found = {m.group(1) for m in _DEFAULT_SYSTEM.finditer(template)}
-    if len(found) != 1 or "'<|im_start|>assistant\\n'" not in template or "content" not in template:
-        raise ValueError(f"{source}: chat_template is not a ChatML template with one default system message "
-                         f"(found {sorted(found)}); rendering it needs Jinja, which this project leaves out")
-    return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), found.pop())  # Jinja escapes
+from tokenizer import Tokenizer
 
 
 # ----------------------------------------------------------------------------------------------
@@ -131,69 +108,6 @@ class Qwen2Config:
                  torch_dtype=str(dtype).removeprefix("torch."), bos_token_id=None,
                  eos_token_id=None)
         return d
-
-
-# ----------------------------------------------------------------------------------------------
-# KV cache
-
-class KVCache:
-    """Preallocated keys/values for every layer: (L, B, H_kv, max_len, D), plus per-row slot validity."""
-
-    def __init__(self, cfg, batch, max_len, device, dtype):
-        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)  # (B, S)
-        self.next_pos = torch.zeros(batch, dtype=torch.long, device=device)  # (B,)
-        self.length = 0  # slots used, the same for every row
-
-    @property
-    def max_len(self):
-        return self.valid.shape[1]
-
-    def keep(self, rows):
-        """Keep only the listed rows (finished trajectories leave the batch), each with its valid
-        slots packed to the front in order, so attention reads as many slots as the longest row
-        holds instead of every slot any row used (a turn spends the longest row's slots on all).
-        A key may change slot: its rotary position was applied when it was written, `next_pos`
-        keeps counting, and masks come from `valid`."""
-        idx = torch.tensor(rows, device=self.valid.device)
-        valid = self.valid[idx, :self.length]  # (b, S)
-        n = valid.sum(1)  # (b,) tokens each row holds
-        packed = int(n.max()) if len(rows) else 0
-        order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)[:, :packed]  # (b, packed) valid first
-        L, _, H, _, D = self.k.shape
-        at = order[None, :, None, :, None].expand(L, len(rows), H, packed, D)  # (L, b, H, packed, D)
-        k = self.k[:, idx, :, :self.length].gather(3, at)  # copies, so the writes below cannot clobber
-        v = self.v[:, idx, :, :self.length].gather(3, at)
-        self.k, self.v = self.k[:, :len(rows)], self.v[:, :len(rows)]  # views of the same buffers
-        self.k[:, :, :, :packed] = k
-        self.v[:, :, :, :packed] = v
-        self.valid = torch.arange(self.max_len, device=idx.device)[None, :] < n[:, None]  # (b, max_len)
-        self.next_pos = self.next_pos[idx]
-        self.length = packed
-
-    def drop_last(self, rows):
-        """Forget the last token of each listed row (an end-of-turn token the trajectory does not
-        keep): its slot becomes padding, which attention never sees, and the row's next rotary
-        position steps back, so what follows is placed exactly as if the token had never been."""
-        for i in rows:
-            slot = int(self.valid[i, :self.length].nonzero()[-1])
-            self.valid[i, slot] = False
-            self.next_pos[i] -= 1
-
-    def repeat_rows(self, g):
-        """A cache of B*g rows where rows b*g .. b*g+g-1 are copies of row b (the GRPO group)."""
-        new = object.__new__(KVCache)
-        n = self.length
-        new.k = torch.zeros_like(self.k.repeat_interleave(g, dim=1))
-        new.v = torch.zeros_like(new.k)
-        new.k[:, :, :, :n] = self.k[:, :, :, :n].repeat_interleave(g, dim=1)  # (L, B*g, H, n, D)
-        new.v[:, :, :, :n] = self.v[:, :, :, :n].repeat_interleave(g, dim=1)
-        new.valid = self.valid.repeat_interleave(g, dim=0)  # (B*g, S)
-        new.next_pos = self.next_pos.repeat_interleave(g, dim=0)  # (B*g,)
-        new.length = n
-        return new
 
 
 # ----------------------------------------------------------------------------------------------
@@ -293,10 +207,6 @@ class Qwen2(nn.Module):
         """The (V, d) output projection (the embedding matrix when tied)."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def new_cache(self, batch, max_len):
-        w = self.model.embed_tokens.weight
-        return KVCache(self.config, batch, max_len, w.device, w.dtype)
-
     def hidden(self, input_ids, cache=None, valid=None, positions=None, select=None):
         """Final-normed hidden states (B, T, d).
 
@@ -353,71 +263,6 @@ class Qwen2(nn.Module):
 
 # ----------------------------------------------------------------------------------------------
 # tokenizer
-
-class Tokenizer:
-    """tokenizer.json through `tokenizers`, and the chat template of tokenizer_config.json beside
-    it (or `chat_template`, given); no special tokens are added implicitly."""
-
-    def __init__(self, path, chat_template=None):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"tokenizer file not found: {path}")
-        self.tok = _HFTokenizer.from_file(path)
-        self.path = path
-        # generation ends at <|im_end|> (chat) or <|endoftext|> (base models)
-        self.eos_ids = [i for i in (self.tok.token_to_id("<|im_end|>"), self.tok.token_to_id("<|endoftext|>"))
-                        if i is not None]
-        self.pad_id = self.eos_ids[-1] if self.eos_ids else 0
-        source = "chat_template argument"
-        if chat_template is None:
-            source = os.path.join(os.path.dirname(path), "tokenizer_config.json")
-            if not os.path.isfile(source):
-                raise FileNotFoundError(f"{source} not found: it holds the chat template (every Hugging Face "
-                                        "Qwen2.5 folder has one; or pass chat_template=)")
-            with open(source) as f:
-                try:
-                    chat_template = json.load(f).get("chat_template")
-                except (json.JSONDecodeError, AttributeError) as e:
-                    raise ValueError(f"{source}: not a JSON object ({e})") from None
-            if not isinstance(chat_template, str):
-                raise ValueError(f"{source}: no chat_template string")
-        self.chat_template = chat_template
-        self.system = default_system_message(chat_template, source)
-
-    def chat_prompt(self, message):
-        """The checkpoint's chat template rendered for one user message with the generation prompt
-        (what transformers' apply_chat_template gives for [{"role": "user", "content": message}])."""
-        return (f"<|im_start|>system\n{self.system}<|im_end|>\n<|im_start|>user\n{message}<|im_end|>\n"
-                "<|im_start|>assistant\n")
-
-    def encode(self, text):
-        return self.tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids):
-        return self.tok.decode(list(ids), skip_special_tokens=False)
-
-    def save(self, path):
-        """Write tokenizer.json to `path` and tokenizer_config.json (with the chat template) beside it."""
-        self.tok.save(path)
-        config = dict(tokenizer_class="PreTrainedTokenizerFast", chat_template=self.chat_template,
-                      eos_token="<|im_end|>", pad_token="<|endoftext|>", add_bos_token=False,
-                      model_max_length=32768, clean_up_tokenization_spaces=False)
-        with open(os.path.join(os.path.dirname(path), "tokenizer_config.json"), "w") as f:
-            json.dump(config, f, indent=1)
-
-    @staticmethod
-    def train(texts, vocab_size, path, chat_template=QWEN2_CHAT_TEMPLATE):
-        """Train a byte-level BPE tokenizer (Qwen's kind) with the chat tokens; write tokenizer.json
-        and tokenizer_config.json with `chat_template` beside it."""
-        tok = _HFTokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-        tok.train_from_iterator(texts, trainer)
-        tokenizer = object.__new__(Tokenizer)
-        tokenizer.tok, tokenizer.chat_template = tok, chat_template
-        tokenizer.save(path)
-        return Tokenizer(path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -481,13 +326,14 @@ def load(path, device="cpu", dtype=torch.float32):
 
 
 CHECKPOINT_FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                    "generation_config.json", "toyworld.json"}  # what `save` may replace (toyworld.json: the toy stamp)
+                    "generation_config.json"}  # what `save` may replace
 
 
-def save(model, tokenizer, path, state=None):
+def save(model, tokenizer, path, state=None, also=()):
     """Write config.json, model.safetensors and tokenizer.json to `path` (temp folder, then rename).
     state: the tensors to write (default: the model's parameters; a sharded model's full state
-    dict, gathered on one rank)."""
+    dict, gathered on one rank). also: file names besides a checkpoint's that a folder being
+    replaced may hold (a caller's own stamp); any other file there makes it an error."""
     state = state if state is not None else {n: p.detach() for n, p in model.named_parameters()}
     names = set(state)
     with torch.device("meta"):
@@ -495,9 +341,10 @@ def save(model, tokenizer, path, state=None):
     if names != expected:
         raise ValueError(f"cannot save: parameters {sorted(names ^ expected)[:4]} are not plain Qwen2 "
                          "(merge or remove the LoRA adapter first)")
-    if os.path.isdir(path) and not set(os.listdir(path)) <= CHECKPOINT_FILES:
+    allowed = CHECKPOINT_FILES | set(also)
+    if os.path.isdir(path) and not set(os.listdir(path)) <= allowed:
         raise ValueError(f"cannot save to {path}: it holds files that are not a checkpoint's "
-                         f"({sorted(set(os.listdir(path)) - CHECKPOINT_FILES)[:4]}); nothing was changed")
+                         f"({sorted(set(os.listdir(path)) - allowed)[:4]}); nothing was changed")
     tmp = path.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -515,7 +362,7 @@ def save(model, tokenizer, path, state=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# generation
+# the batch layout
 
 def pad_right(seqs, pad_id=0, device="cpu"):
     """Token lists -> right-padded ids (B, T) and valid (B, T), the batch layout used everywhere."""
@@ -528,102 +375,9 @@ def pad_right(seqs, pad_id=0, device="cpu"):
     return ids.to(device), valid.to(device)
 
 
-@torch.no_grad()
-def extend(model, cache, chunks, logits=None):
-    """Append token lists (one per row, any length, possibly empty) to the cache.
-
-    Returns next-token logits (B, V) for every row: from its last new token, or the given
-    `logits` row when its chunk is empty. This is the prefill and the forced-token path.
-    """
-    B = len(chunks)
-    dev = cache.valid.device
-    if max(len(c) for c in chunks) == 0:
-        return logits
-    ids, valid = pad_right(chunks, 0, dev)  # (B, T) each
-    h = model.hidden(ids, cache, valid)  # (B, T, d)
-    last = (valid.sum(1) - 1).clamp(min=0)  # (B,)
-    new = F.linear(h[torch.arange(B, device=dev), last], model.lm_head_weight).float()  # (B, V)
-    if logits is None:
-        return new
-    has = valid.any(1)[:, None]
-    return torch.where(has, new, logits)
-
-
-def sample(logits, temperature, top_p, generator):
-    """Pick one token per row; returns (tokens (B,), log p(token) under softmax(logits / T))."""
-    if temperature == 0:
-        tok = logits.argmax(-1)
-        logp = torch.log_softmax(logits, -1)
-    else:
-        logp = torch.log_softmax(logits / temperature, -1)  # (B, V)
-        probs = logp.exp()
-        if top_p < 1.0:
-            sp, si = probs.sort(-1, descending=True)  # (B, V)
-            drop = sp.cumsum(-1) - sp > top_p  # keep the smallest prefix with mass >= top_p
-            sp = sp.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(-1, si, sp)
-        # inverse-CDF sampling, one uniform per row (torch.multinomial is ~15x slower at V = 152k);
-        # CPU cumsum accumulates in float64, so each float32 CDF entry is off by < 1e-7
-        cdf = probs.cumsum(-1)  # (B, V)
-        u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device, dtype=cdf.dtype) * cdf[:, -1:]
-        tok = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[1] - 1)  # (B,)
-    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
-
-
-@torch.no_grad()
-def sample_turn(model, tokenizer, cache, logits, active, max_new_tokens, *, temperature=0.0, top_p=1.0,
-                generator=None, stop_ids=(), stop_strings=()):
-    """Sample up to `max_new_tokens` per active row, each appended to the cache as it is drawn.
-
-    A row stops after a stop id, once its new text contains a stop string (the token that
-    completes it is kept), or at the cap. Returns (tokens, logprobs, reasons, logits): per row the
-    new token ids, the log-probability of each (see `sample`), why it stopped ("stop_id",
-    "stop_string", "length" or None for inactive rows), and next-token logits (B, V).
-    """
-    B = logits.shape[0]
-    active = list(active)
-    toks, lps, reasons = [[] for _ in range(B)], [[] for _ in range(B)], [None] * B
-    stop_ids = set(stop_ids)
-    window = max((len(s) for s in stop_strings), default=0) + 1
-    dev = cache.valid.device
-    for _ in range(max_new_tokens):
-        if not any(active):
-            break
-        tok, lp = sample(logits, temperature, top_p, generator)
-        tok_l, lp_l = tok.tolist(), lp.tolist()
-        fed = torch.tensor(active, device=dev)[:, None]  # (B, 1)
-        for i in range(B):
-            if not active[i]:
-                continue
-            toks[i].append(tok_l[i])
-            lps[i].append(lp_l[i])
-            if tok_l[i] in stop_ids:
-                reasons[i] = "stop_id"
-            elif stop_strings and any(s in tokenizer.decode(toks[i][-window:]) for s in stop_strings):
-                reasons[i] = "stop_string"
-            elif len(toks[i]) == max_new_tokens:
-                reasons[i] = "length"
-            active[i] = reasons[i] is None
-        h = model.hidden(tok[:, None], cache, fed)  # (B, 1, d)
-        logits = torch.where(fed, F.linear(h[:, 0], model.lm_head_weight).float(), logits)  # (B, V)
-    return toks, lps, reasons, logits
-
-
-def generate(model, tokenizer, prompts, max_new_tokens, *, temperature=0.0, top_p=1.0, generator=None,
-             stop_ids=None, stop_strings=()):
-    """Batched generation for ragged prompts (lists of token ids) -> (tokens, logprobs, reasons)."""
-    cache = model.new_cache(len(prompts), max(len(p) for p in prompts) + max_new_tokens + 1)
-    logits = extend(model, cache, prompts)
-    toks, lps, reasons, _ = sample_turn(
-        model, tokenizer, cache, logits, [True] * len(prompts), max_new_tokens,
-        temperature=temperature, top_p=top_p, generator=generator,
-        stop_ids=tokenizer.eos_ids if stop_ids is None else stop_ids, stop_strings=stop_strings)
-    return toks, lps, reasons
-
-
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit("usage: python model.py CHECKPOINT_DIR MESSAGE")
-    model, tok = load(sys.argv[1])
-    out, _, _ = generate(model, tok, [tok.encode(tok.chat_prompt(sys.argv[2]))], 64)
-    print(tok.decode(out[0]))
+    if len(sys.argv) != 2:
+        sys.exit("usage: python model.py CHECKPOINT_DIR")
+    net, _ = load(sys.argv[1])
+    print(json.dumps(asdict(net.config), indent=1))
+    print(f"{sum(p.numel() for p in net.parameters()):,} parameters")

@@ -43,11 +43,10 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-import fsdp as FS
+import fsdp
 import lora
-import model as M
+from model import pad_right
 from clipped_kl import fused_linear_clipped_kl, position_stats
 from rollout import em_rewards, exact_match, make_prompt, rollout
 
@@ -115,7 +114,7 @@ def _gather_hidden(model, seqs, positions):
     """Hidden states that predict each listed position (ascending in each sequence):
     (sum of len(positions), d)."""
     dev = model.model.embed_tokens.weight.device
-    ids, valid = M.pad_right(seqs, 0, dev)  # (B, T) each
+    ids, valid = pad_right(seqs, 0, dev)  # (B, T) each
     select = torch.zeros_like(valid)  # (B, T): the positions that predict a listed token
     for i, ps in enumerate(positions):
         if list(ps) != sorted(set(ps)):
@@ -127,25 +126,27 @@ def _gather_hidden(model, seqs, positions):
 # ----------------------------------------------------------------------------------------------
 # 3. the round
 
-def ofsd_round(policy, tokenizer, index, questions, *, group_size, rollout_args, students, lora_rank, lora_alpha,
-               lr, epochs, micro_batch, tau_clip, ofsd_clip, max_grad_norm, kl_chunk, seed, log):
+def ofsd_round(policy, tokenizer, index, questions, *, group_size, rollout_args, generator, ofsd_students, lora_rank,
+               lora_alpha, lora_lr, lora_epochs, ofsd_micro_batch, tau_clip, ofsd_clip, max_grad_norm, kl_chunk, seed,
+               log):
     """One OFSD round: G rollouts of the current policy per question, EM rewards, one mined pair per
-    question (all ranks' pairs, when distributed), then `distill`. students="incorrect" keeps only
+    question (all ranks' pairs, when distributed), then `distill`. ofsd_students="incorrect" keeps only
     the pairs whose student is incorrect ("any": the paper's rule). Returns its metrics."""
     with torch.no_grad():
-        trajs = rollout(policy, tokenizer, index, [q["question"] for q in questions], group_size, **rollout_args)
+        trajs = rollout(policy, tokenizer, index, [q["question"] for q in questions], group_size, generator=generator,
+                        **rollout_args)
     golds = {q["question"]: q["golden_answers"] for q in questions}
     mined = [(ref, stu, wrong, golds[stu.question])
              for ref, stu, wrong in mine_pairs(trajs, em_rewards(trajs, questions, group_size), group_size)
-             if wrong or students == "any"]
+             if wrong or ofsd_students == "any"]
     # every rank distills all ranks' pairs (the round is cheap; sharded weights are all-gathered
     # layer by layer, so every rank must run the same passes)
-    mined = FS.all_ranks(mined)
+    mined = fsdp.all_ranks(mined)
     pairs = [(ref, stu, wrong) for ref, stu, wrong, _ in mined]
     before = mined_diagnostics(policy, tokenizer, index, mined, rollout_args, kl_chunk) if mined else {}
-    metrics = distill(policy, tokenizer, pairs, lora_rank=lora_rank, lora_alpha=lora_alpha, lr=lr,
-                      epochs=epochs, micro_batch=micro_batch, tau_clip=tau_clip, ofsd_clip=ofsd_clip,
-                      max_grad_norm=max_grad_norm, kl_chunk=kl_chunk, seed=seed, log=log)
+    metrics = distill(policy, tokenizer, pairs, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_lr=lora_lr,
+                      lora_epochs=lora_epochs, ofsd_micro_batch=ofsd_micro_batch, tau_clip=tau_clip,
+                      ofsd_clip=ofsd_clip, max_grad_norm=max_grad_norm, kl_chunk=kl_chunk, seed=seed, log=log)
     if mined:  # the round's effect on its own questions, by whether the student was incorrect
         after = greedy_em(policy, tokenizer, index, mined, rollout_args)
         metrics.update(before, **split_em("mined_em_after", after, mined))
@@ -161,10 +162,10 @@ SEGMENTS = ("think", "search", "answer")
 def greedy_em(policy, tokenizer, index, mined, rollout_args, teacher_view=False):
     """Greedy EM on the mined questions from the student view, or the teacher view (tau_ref shown)."""
     contexts = [privileged(tokenizer, ref) for ref, *_ in mined] if teacher_view else None
-    greedy = dict(rollout_args, temperature=0.0, top_p=1.0, generator=None)
+    greedy = dict(rollout_args, temperature=0.0, top_p=1.0)
     with torch.no_grad():
         trajs = rollout(policy, tokenizer, index, [stu.question for _, stu, _, _ in mined], 1,
-                        contexts=contexts, **greedy)
+                        contexts=contexts, generator=None, **greedy)
     return [exact_match(t.answer, gold) for t, (*_, gold) in zip(trajs, mined)]
 
 
@@ -184,7 +185,7 @@ def segment_of(text):
 
 
 @torch.no_grad()
-def token_diagnostics(model, tokenizer, mined, chunk):
+def token_diagnostics(model, tokenizer, mined, kl_chunk):
     """Over the loss positions of every pair: the share where the teacher's most likely token is
     not the token the student sampled, and the mean true KL of a position in each segment."""
     differ, n, kl = 0, 0, {s: [] for s in SEGMENTS + ("other",)}
@@ -193,7 +194,7 @@ def token_diagnostics(model, tokenizer, mined, chunk):
         if not s_pos:
             continue
         h_s, h_t = _gather_hidden(model, [s_ids], [s_pos]), _gather_hidden(model, [t_ids], [t_pos])  # (n, d)
-        stats = position_stats(h_s, h_t, model.lm_head_weight, 0.0, "none", chunk)
+        stats = position_stats(h_s, h_t, model.lm_head_weight, 0.0, "none", kl_chunk)
         sampled = torch.tensor([s_ids[p] for p in s_pos], device=h_s.device)
         differ += (stats["teacher_top"] != sampled).sum().item()
         n += len(sampled)
@@ -204,19 +205,19 @@ def token_diagnostics(model, tokenizer, mined, chunk):
     return out
 
 
-def mined_diagnostics(policy, tokenizer, index, mined, rollout_args, chunk):
+def mined_diagnostics(policy, tokenizer, index, mined, rollout_args, kl_chunk):
     """Before the round: greedy EM from the teacher and the student views (the headroom to distil),
     the teacher/student disagreement and true KL by segment."""
     student = greedy_em(policy, tokenizer, index, mined, rollout_args)
     teacher = greedy_em(policy, tokenizer, index, mined, rollout_args, teacher_view=True)
     out = dict(teacher_em=sum(teacher) / len(teacher), student_em=sum(student) / len(student))
     out.update(split_em("mined_em_before", student, mined))
-    out.update(token_diagnostics(policy, tokenizer, mined, chunk))
+    out.update(token_diagnostics(policy, tokenizer, mined, kl_chunk))
     return out
 
 
-def distill(model, tokenizer, pairs, *, lora_rank, lora_alpha, lr, epochs, micro_batch, tau_clip, ofsd_clip,
-            max_grad_norm, kl_chunk, seed, log=None):
+def distill(model, tokenizer, pairs, *, lora_rank, lora_alpha, lora_lr, lora_epochs, ofsd_micro_batch, tau_clip,
+            ofsd_clip, max_grad_norm, kl_chunk, seed, log=None):
     """Distill each pair's teacher view into its student view through LoRA, then merge.
     `log(epoch, step, loss)` is called after every optimizer step."""
     data = [pair_sequences(tokenizer, ref, stu) for ref, stu, _ in pairs]
@@ -226,14 +227,14 @@ def distill(model, tokenizer, pairs, *, lora_rank, lora_alpha, lr, epochs, micro
         return metrics
     params = lora.attach(model, lora_rank, lora_alpha)
     broadcast(params)  # every rank trains the same adapter on the same pairs (it is small)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    before = pair_stats(model, data, tau_clip, ofsd_clip, micro_batch, kl_chunk)
+    opt = torch.optim.AdamW(params, lr=lora_lr, weight_decay=0.0)
+    before = pair_stats(model, data, tau_clip, ofsd_clip, ofsd_micro_batch, kl_chunk)
     rng = random.Random(seed)
-    for epoch in range(epochs):
+    for epoch in range(lora_epochs):
         order = list(range(len(data)))
         rng.shuffle(order)
-        for s in range(0, len(order), micro_batch):
-            loss = pair_loss(model, [data[i] for i in order[s:s + micro_batch]], tau_clip, ofsd_clip, kl_chunk)
+        for s in range(0, len(order), ofsd_micro_batch):
+            loss = pair_loss(model, [data[i] for i in order[s:s + ofsd_micro_batch]], tau_clip, ofsd_clip, kl_chunk)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
@@ -241,10 +242,10 @@ def distill(model, tokenizer, pairs, *, lora_rank, lora_alpha, lr, epochs, micro
             metrics["losses"].append(loss.item())
             if log:
                 log(epoch, len(metrics["losses"]), loss.item())
-    after = pair_stats(model, data, tau_clip, ofsd_clip, micro_batch, kl_chunk)
+    after = pair_stats(model, data, tau_clip, ofsd_clip, ofsd_micro_batch, kl_chunk)
     metrics.update({f"{k}_{when}": v for when, d in (("before", before), ("after", after)) for k, v in d.items()})
     broadcast(params)  # guard against non-deterministic kernels: rank 0's adapter for all
-    FS.reshard(model)  # a sharded base takes each rank's slice of the merged update
+    fsdp.reshard(model)  # a sharded base takes each rank's slice of the merged update
     lora.merge(model)
     for p in model.parameters():
         p.requires_grad_(True)
@@ -252,18 +253,18 @@ def distill(model, tokenizer, pairs, *, lora_rank, lora_alpha, lr, epochs, micro
 
 
 @torch.no_grad()
-def pair_stats(model, data, tau_clip, ofsd_clip, micro_batch, chunk):
+def pair_stats(model, data, tau_clip, ofsd_clip, ofsd_micro_batch, kl_chunk):
     """Mean over the pairs of each pair's mean over its loss positions (the loss's own weighting)
     of: the loss ("kl", the value training minimises), the true forward KL ("kl_true"), the share
     of positions the clip changed ("clip_frac") and the student's probability of the teacher's
     most likely token ("p_top"). The teacher runs with the adapter off, the student with it."""
     sums = dict(kl=0.0, kl_true=0.0, clip_frac=0.0, p_top=0.0)
-    for i in range(0, len(data), micro_batch):
-        students, teachers, s_pos, t_pos = zip(*data[i:i + micro_batch])
+    for i in range(0, len(data), ofsd_micro_batch):
+        students, teachers, s_pos, t_pos = zip(*data[i:i + ofsd_micro_batch])
         with lora.disabled(model):
             h_t = _gather_hidden(model, teachers, t_pos)  # (N, d)
         h_s = _gather_hidden(model, students, s_pos)  # (N, d)
-        stats = position_stats(h_s, h_t, model.lm_head_weight, tau_clip, ofsd_clip, chunk)
+        stats = position_stats(h_s, h_t, model.lm_head_weight, tau_clip, ofsd_clip, kl_chunk)
         lengths = [len(p) for p in s_pos]
         for key, name in (("kl", "loss"), ("kl_true", "kl"), ("clip_frac", "clipped"), ("p_top", "p_top")):
             sums[key] += sum(x.mean().item() for x in stats[name].split(lengths)) / len(data)

@@ -1,7 +1,8 @@
 """The Search-R1 task and its multi-turn search rollouts with loss masks.
 
-This file is the one place that defines the task (METHOD.md, "The task"): the instruction, the
-observation block, the invalid-action message, answer extraction, and the exact-match reward.
+This file defines the task (METHOD.md, "The task"): the instruction, the observation block
+around the documents (retriever.format_docs writes each "Doc i(Title: ...)" line), the
+invalid-action message, answer extraction, and the exact-match reward.
 
 Protocol: the question goes into the fixed instruction below, rendered as one user message with
 the checkpoint's own chat template (`tokenizer.chat_prompt`). The model writes one turn until it
@@ -42,8 +43,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-import fsdp as FS
-import model as M
+import fsdp
+import generate
+from model import load
 from retriever import format_docs
 
 INSTRUCTION = (
@@ -143,14 +145,14 @@ class Trajectory:
 
 @torch.no_grad()
 def rollout(model, tokenizer, retriever, questions, group_size, *, max_turns, max_turn_tokens,
-            max_obs_tokens, top_k, temperature, top_p, generator, contexts=None, max_rows=0, search_workers=1):
+            max_obs_tokens, top_k, temperature, top_p, generator, contexts=None, rollout_rows=0, search_workers=1):
     """Run len(questions) x group_size trajectories; returns them question-major (q0 g0, q0 g1, ...).
     `contexts`: text appended to each question's user message (OFSD's teacher view puts tau_ref there).
-    `max_rows`: decode at most this many trajectories at once (the KV cache's size), 0 = all.
+    `rollout_rows`: decode at most this many trajectories at once (the KV cache's size), 0 = all.
     `search_workers`: processes that share each turn's batch of searches (retriever.Index.search)."""
-    with FS.gathered(model):  # a sharded model: weights all-gathered once for the whole batch
+    with fsdp.gathered(model):  # a sharded model: weights all-gathered once for the whole batch
         G = group_size
-        n = max(1, max_rows // G) if max_rows else len(questions)  # questions per decoding batch
+        n = max(1, rollout_rows // G) if rollout_rows else len(questions)  # questions per decoding batch
         if len(questions) > n:
             contexts = contexts or [""] * len(questions)
             return [t for s in range(0, len(questions), n) for t in rollout(
@@ -168,13 +170,13 @@ def rollout(model, tokenizer, retriever, questions, group_size, *, max_turns, ma
         max_len = max(map(len, prompts)) + (max_turns + 1) * (max_turn_tokens + 1) + max_turns * per_turn_env
 
         cache = model.new_cache(len(prompts), max_len)
-        logits = M.extend(model, cache, prompts)  # (B, V) prefill once per question
+        logits = generate.extend(model, cache, prompts)  # (B, V) prefill once per question
         cache = cache.repeat_rows(G)  # (B*G rows)
         logits = logits.repeat_interleave(G, dim=0)  # (B*G, V)
         live = list(range(len(trajs)))  # the trajectory in each cache row; finished ones leave
         for turn in range(max_turns + 1):
             final = turn == max_turns
-            toks, lps, reasons, logits = M.sample_turn(
+            toks, lps, reasons, logits = generate.sample_turn(
                 model, tokenizer, cache, logits, [True] * len(live), max_turn_tokens, temperature=temperature,
                 top_p=top_p, generator=generator, stop_ids=tokenizer.eos_ids, stop_strings=STOP_STRINGS)
             ended = [r for r, why in enumerate(reasons) if why == "stop_id"]  # the turn ended on <|im_end|> & co.
@@ -214,7 +216,7 @@ def rollout(model, tokenizer, retriever, questions, group_size, *, max_turns, ma
             logits, chunks, live = logits[going], [chunks[r] for r in going], [live[r] for r in going]  # (b, V)
             for i, c in zip(live, chunks):
                 trajs[i].add(c, sampled=False)
-            logits = M.extend(model, cache, chunks, logits)
+            logits = generate.extend(model, cache, chunks, logits)
         return trajs
 
 
@@ -222,7 +224,7 @@ if __name__ == "__main__":
     if len(sys.argv) != 4:
         sys.exit("usage: python rollout.py CHECKPOINT_DIR INDEX_DIR QUESTION")
     from retriever import load_index
-    policy, tok = M.load(sys.argv[1])
+    policy, tok = load(sys.argv[1])
     (traj,) = rollout(policy, tok, load_index(sys.argv[2]), [sys.argv[3]], 1, temperature=0.0, top_p=1.0,
                       generator=None, **SEARCH_R1_SETTINGS)
     print(traj.render(tok))

@@ -13,17 +13,19 @@ OFSD can fix: 40% of its multi-hop plans stop after the first hop (the greedy ba
 answers a bridge question with the bridge entity: the error GRPO finds and fixes first), it
 sometimes searches a vague query (a family name alone) and trusts the top document, and it
 sometimes checks again, repeating a search before answering correctly (right but wasteful).
-The warm start uses length-bucketed batches (padding falls from 30% to 0.3% of the tokens) and
-runs the last layer's MLP only where there is a loss, so 2,400 steps fit in the 5-minute build.
+The warm start sorts each pool of examples by length before cutting it into batches (little
+padding) and runs the last layer's MLP only where there is a loss.
 The agent searches with the loop's `top_k`, which the backbone's stamp records: a world built
 for another top_k gets a new backbone.
 
 Left out: natural-language variety (templates are fixed), a backbone for real-scale runs (use a
 Qwen2.5 checkpoint).
 
-    python toyworld.py OUT_DIR [--seed N] [--world-only] [--stats [--temperature T]]
+    python toyagent.py WORLD_DIR [--seed N] [--shipped]     # the world and its backbone (built, or shipped)
+    python bench/bench_backbone.py [--temperature T]        # the backbone's targets, at the loop's settings
 """
 
+import argparse
 import hashlib
 import json
 import math
@@ -37,11 +39,15 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-import model as M
-import retriever as R
-import rollout as RO
+from model import CHECKPOINT_FILES, Qwen2, Qwen2Config, load, pad_right, save
+
+from tokenizer import Tokenizer
+import index_build
+import retriever
+from rollout import INFO_CLOSE, INFO_OPEN, INSTRUCTION, INVALID, exact_match, make_prompt, observation, rollout
 from ofsd import PRIVILEGED
-from toyworld import TYPES, read_jsonl, stamped, write_atomic, write_world
+from checkpoint import write_atomic
+from toyworld import TYPES, read_jsonl, stamped, write_world
 
 # backbone (tiny Qwen2) and its warm start
 BACKBONE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
@@ -55,15 +61,16 @@ SFT_LR = 2e-3
 COPY_WEIGHT = 5.0  # loss weight of agent tokens copied from the question or a document
 P_EARLY, P_VAGUE, P_REPEAT = 0.4, 0.2, 0.4  # the scripted agent's imperfections
 P_PRIVILEGED = 0.2  # share of warm-start examples that show a tau_ref trajectory (OFSD's teacher view)
-# the backbone for world seed 0 (top_k 3), built by build_backbone on the project's 2-core machine
-# and shipped, so every user starts from the same weights (builds differ across machines)
+STAMP = "toyworld.json"  # in a backbone folder: the build's version, seed, steps and top_k (written last)
+# the backbone for world seed 0 (top_k 3), built by build_backbone and shipped, so every user starts
+# from the same weights (a build is deterministic on one machine, not across machines)
 SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "toy_backbone")
 SHIPPED_SHA256 = {
     "config.json": "2b183ca0791fe937707c6911bae12a33b75b3a4cbb33fabe0b87db0e2d6bc86b",
     "model.safetensors": "496d498404438955df45890f8cb177140394466a44bfbdb46ea1915e25d1b595",
     "tokenizer.json": "424ada53acaa8080f2d958bcfd7e07c272eb47dc24cd1d76ce909040939337bb",
     "tokenizer_config.json": "7b3dab91d4da24872e829154773a5502d91c7e9a96d6317c8130fbd689ed6bb6",
-    "toyworld.json": "626a1aa8849b6e96e4fd1bc72fd67ca41e28dedab191dae372ff7377199cbf2b",
+    STAMP: "626a1aa8849b6e96e4fd1bc72fd67ca41e28dedab191dae372ff7377199cbf2b",
 }
 
 
@@ -122,8 +129,7 @@ def scripted_turns(q, index, rng, top_k, imperfect=True):
     multi-hop trajectories plan only the first hop and answer after it; P_VAGUE of first searches
     drop the subject's first word (vague) and read the top passage as the subject's; P_REPEAT of
     searches are repeated once, after a quote and "Let me check again." (every turn after an
-    observation opens with <think>: with a bare repeated <search> there, the greedy model mixed the
-    two openings and wrote its query inside <think>)."""
+    observation opens with <think>, so the next move is always decided in words first)."""
     kinds = _hop_kinds(q)
     early = imperfect and len(kinds) > 1 and q["type"] != "comparison" and rng.random() < P_EARLY
     query = q["question"].rstrip("?")
@@ -150,7 +156,7 @@ def scripted_turns(q, index, rng, top_k, imperfect=True):
             turns[-1] += f"<search> {query} </search>"
             hits = index.search([query], top_k)[0]
             docs = [index.doc(i) for i, _ in hits]
-            obs.append(RO.observation(docs))
+            obs.append(observation(docs))
             turns.append("")
             if r < repeats - 1:  # a repeat: quote, then decide to check again (every turn opens with <think>)
                 turns[-1] += f"<think> {_read(docs, entity, kind, trust)[1]} {CHECK} </think>\n"
@@ -158,7 +164,7 @@ def scripted_turns(q, index, rng, top_k, imperfect=True):
         if doc_no is None:  # the entity's passage was not retrieved: search the entity by its name
             turns[-1] += f"<think> {quote} </think>\n<search> {entity} </search>"
             docs = [index.doc(i) for i, _ in index.search([entity], top_k)[0]]
-            obs.append(RO.observation(docs))
+            obs.append(observation(docs))
             turns.append("")
             _, quote, value = _read(docs, entity, kind)
         found.append(value)
@@ -208,7 +214,7 @@ def scripted_tokens(tokenizer, q, index, rng, top_k, privileged=False):
     context the way an instruct model reads a worked example (OFSD's teacher relies on that)."""
     template = set(tokenizer.encode(TEMPLATE_TEXT)) | set(tokenizer.eos_ids)  # never weighted as copies
     context = set(tokenizer.encode(q["question"]))
-    message = RO.make_prompt(q["question"])
+    message = make_prompt(q["question"])
     if privileged:
         turns, obs = scripted_turns(q, index, rng, top_k, imperfect=False)
         ref_ids, _ = _turn_tokens(tokenizer, turns, obs, set(), template)
@@ -228,20 +234,20 @@ def build_backbone(world_dir, out_dir, seed, top_k, steps=SFT_STEPS):
     """Train the tokenizer and warm-start the tiny Qwen2 on scripted trajectories; save it."""
     torch.manual_seed(seed)
     rng = random.Random(seed + 2)
-    index = R.load_index(os.path.join(world_dir, "index"))
+    index = retriever.load_index(os.path.join(world_dir, "index"))
     train = read_jsonl(os.path.join(world_dir, "train.jsonl"))
     corpus = [json.loads(line)["contents"] for line in open(os.path.join(world_dir, "corpus.jsonl"))]
-    texts = corpus + [RO.INSTRUCTION, RO.INVALID, RO.INFO_OPEN + "Doc 1(Title: x) y" + RO.INFO_CLOSE,
+    texts = corpus + [INSTRUCTION, INVALID, INFO_OPEN + "Doc 1(Title: x) y" + INFO_CLOSE,
                       TEMPLATE_TEXT] * 20
     texts += [q["question"] for q in train]
     tmp = out_dir.rstrip("/") + ".build"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    tok = M.Tokenizer.train(texts, VOCAB_SIZE, os.path.join(tmp, "tokenizer.json"))
+    tok = Tokenizer.train(texts, VOCAB_SIZE, os.path.join(tmp, "tokenizer.json"))
     data = [scripted_tokens(tok, train[i % len(train)], index, rng, top_k, privileged=rng.random() < P_PRIVILEGED)
             for i in range(steps * SFT_BATCH)]  # a fresh trajectory for every example seen
     # length-bucketed batches: each pool of SFT_POOL examples is sorted by length and cut into
-    # batches, so a batch pads 0.3% instead of 30% of its tokens; the batches are then shuffled
+    # batches (little padding); the batches are then shuffled
     order = list(range(len(data)))
     rng.shuffle(order)
     batches = []
@@ -249,7 +255,7 @@ def build_backbone(world_dir, out_dir, seed, top_k, steps=SFT_STEPS):
         pool = sorted(order[p:p + SFT_POOL], key=lambda i: len(data[i][0]))
         batches += [pool[j:j + SFT_BATCH] for j in range(0, len(pool), SFT_BATCH)]
     rng.shuffle(batches)
-    model = M.Qwen2(M.Qwen2Config(vocab_size=VOCAB_SIZE, **BACKBONE))
+    model = Qwen2(Qwen2Config(vocab_size=VOCAB_SIZE, **BACKBONE))
     with torch.no_grad():
         for n, p in model.named_parameters():
             if p.dim() > 1:
@@ -262,7 +268,7 @@ def build_backbone(world_dir, out_dir, seed, top_k, steps=SFT_STEPS):
         for g in opt.param_groups:
             g["lr"] = lr
         batch = [data[i] for i in batches[step]]
-        ids, valid = M.pad_right([x for x, _ in batch])  # (B, T) each
+        ids, valid = pad_right([x for x, _ in batch])  # (B, T) each
         weight = torch.zeros(ids.shape)
         for i, (_, w) in enumerate(batch):
             weight[i, :len(w)] = torch.tensor(w)
@@ -277,9 +283,9 @@ def build_backbone(world_dir, out_dir, seed, top_k, steps=SFT_STEPS):
         opt.step()
         bar.set_postfix(loss=f"{loss.item():.3f}")
     model.eval()
-    M.save(model, tok, out_dir)  # temp folder + rename
+    save(model, tok, out_dir, also={STAMP})  # temp folder + rename
     stamp = dict(version=BACKBONE_VERSION, seed=seed, steps=steps, top_k=top_k)
-    write_atomic(os.path.join(out_dir, "toyworld.json"), json.dumps(stamp))  # written last: marks a finished build
+    write_atomic(os.path.join(out_dir, STAMP), json.dumps(stamp))  # written last: marks a finished build
     shutil.rmtree(tmp)
 
 
@@ -290,14 +296,14 @@ def ensure(world_dir, seed, top_k, world_only=False, use_shipped=True):
     fits (use_shipped; its files' hashes checked), so every user starts from the same weights."""
     backbone = os.path.join(world_dir, "backbone")
     if not (stamped(os.path.join(world_dir, "world.json"), seed=seed)
-            and stamped(os.path.join(world_dir, "index", "meta.json"), format=R.FORMAT_VERSION)):
+            and stamped(os.path.join(world_dir, "index", "meta.json"), format=index_build.FORMAT_VERSION)):
         t0 = time.time()
         write_world(world_dir, seed)
         print(f"toy world written to {world_dir} in {time.time() - t0:.0f}s", file=sys.stderr)
     stamp = dict(version=BACKBONE_VERSION, seed=seed, top_k=top_k)
-    if not world_only and not stamped(os.path.join(backbone, "toyworld.json"), **stamp):
+    if not world_only and not stamped(os.path.join(backbone, STAMP), **stamp):
         t0 = time.time()
-        if use_shipped and stamped(os.path.join(SHIPPED, "toyworld.json"), **stamp):
+        if use_shipped and stamped(os.path.join(SHIPPED, STAMP), **stamp):
             install_shipped(backbone)
             print(f"toy backbone copied from {SHIPPED} (hashes checked)", file=sys.stderr)
         else:
@@ -323,7 +329,7 @@ def install_shipped(backbone):
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(SHIPPED, tmp)
     if os.path.isdir(backbone):
-        if not set(os.listdir(backbone)) <= M.CHECKPOINT_FILES:
+        if not set(os.listdir(backbone)) <= CHECKPOINT_FILES | {STAMP}:
             raise ValueError(f"{backbone}: holds files that are not a backbone's; nothing was changed")
         shutil.rmtree(backbone)
     os.replace(tmp, backbone)
@@ -334,18 +340,18 @@ def backbone_stats(world_dir, *, group_size, temperature, max_turns, max_turn_to
     group of `group_size` samples (at `temperature`) holds both a correct and an incorrect answer;
     mean searches per question, greedy and sampled, against the minimum (one per hop); and the
     searches of the correct samples against their minimum (the waste OFSD's tau_ref trajectories remove)."""
-    import eval as EV  # the project's greedy evaluation (eval.py imports nothing from here)
-    model, tok = M.load(os.path.join(world_dir, "backbone"))
-    index = R.load_index(os.path.join(world_dir, "index"))
+    from eval import evaluate, summarize  # the project's greedy evaluation (eval.py imports nothing from here)
+    model, tok = load(os.path.join(world_dir, "backbone"))
+    index = retriever.load_index(os.path.join(world_dir, "index"))
     test = read_jsonl(os.path.join(world_dir, "test.jsonl"))
     args = dict(max_turns=max_turns, max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens, top_k=top_k)
-    greedy = EV.summarize(EV.evaluate(model, tok, index, test, batch=len(test), **args), "type")
-    trajs = RO.rollout(model, tok, index, [q["question"] for q in test], group_size, temperature=temperature, top_p=1.0,
+    greedy = summarize(evaluate(model, tok, index, test, batch=len(test), **args), "type")
+    trajs = rollout(model, tok, index, [q["question"] for q in test], group_size, temperature=temperature, top_p=1.0,
                        generator=torch.Generator().manual_seed(seed), **args)
     mixed, none_right, right = 0, 0, []  # right: (searches, hops) of each correct sample
     for i, q in enumerate(test):
         group = trajs[i * group_size:(i + 1) * group_size]
-        r = [RO.exact_match(t.answer, q["golden_answers"]) for t in group]
+        r = [exact_match(t.answer, q["golden_answers"]) for t in group]
         mixed += len(set(r)) == 2
         none_right += not any(r)
         right += [(t.n_search, len(q["hops"])) for t, ok in zip(group, r) if ok]
@@ -357,3 +363,22 @@ def backbone_stats(world_dir, *, group_size, temperature, max_turns, max_turn_to
                correct_searches=sum(n for n, _ in right) / max(len(right), 1),  # right but wasteful:
                correct_min_searches=sum(h for _, h in right) / max(len(right), 1))  # ... what OFSD trims
     return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description="the toy world and its backbone: built from the code, or the shipped one")
+    ap.add_argument("world_dir")
+    ap.add_argument("--seed", type=int, default=0)
+    with open(os.path.join(SHIPPED, STAMP)) as f:
+        shipped_top_k = json.load(f)["top_k"]
+    ap.add_argument("--top_k", type=int, default=shipped_top_k, help="documents per search of the scripted agent: "
+                    "the loop's top_k (default: the shipped backbone's)")
+    ap.add_argument("--shipped", action="store_true", help="copy the repository's backbone where it fits "
+                    "(what evolve.py does) instead of building it from the code")
+    args = ap.parse_args()
+    world_dir, backbone = ensure(args.world_dir, args.seed, args.top_k, use_shipped=args.shipped)
+    print(f"world: {world_dir}\nbackbone: {backbone}")
+
+
+if __name__ == "__main__":
+    main()

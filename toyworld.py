@@ -11,9 +11,8 @@ wiki-18's quotes, so an observation reads "Doc 1(Title: Dorto) ..."): one passag
 every given name x family name is a person (21 x 20) and every stem x kind a company (30 x 6), so a
 vague query (a family name alone) finds the wrong person, and passages mention other entities in
 passing (a city lists people born there, a person's passage names a colleague, a company names
-its founder). The full cross also means any family name can follow a given name: a tiny model
-can only copy a name from the question, it cannot recall one (with unique names it recalled the
-training names instead of copying the test ones).
+its founder). The full cross also means any family name can follow a given name, so a name in
+an answer has to be copied from the question or a document: it cannot be recalled.
 
 Questions (FlashRAG `question` / `golden_answers`, plus `type` and the canonical `hops`):
     single     "In which city was P born?"  "Who founded C?"  "In which country is the city X?"
@@ -24,10 +23,7 @@ Train and test share no subject entity; the test split is the built-in benchmark
 
 Left out: natural-language variety (templates are fixed), numeric-reasoning questions.
 
-    python toyworld.py OUT_DIR [--seed N] [--world-only] [--shipped] [--stats [--temperature T]]
-
-writes the world and (unless --world-only) builds the backbone from the code (toyagent.ensure;
---shipped copies the one the repository ships, as evolve.py does); --stats measures it.
+    python toyworld.py OUT_DIR [--seed N]        # the world alone; its backbone: python toyagent.py
 """
 
 import argparse
@@ -35,7 +31,9 @@ import json
 import os
 import random
 
-import retriever as R
+import index_build
+from checkpoint import write_atomic
+
 
 SYLLABLES = ("ka ri to mo ne sa lu vi den bor tal mir gan sel dor fen kas lin tor var bel mon "
              "rus pel dan vor len tes kor zal nim ros").split()
@@ -145,16 +143,9 @@ def write_world(out_dir, seed):
         write_atomic(os.path.join(out_dir, name + ".jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
     # no stemming: the analysis the shipped backbone was trained with (its warm-start trajectories
     # hold this index's search results)
-    R.build_index(os.path.join(out_dir, "corpus.jsonl"), os.path.join(out_dir, "index"), stem=False)
+    index_build.build_index(os.path.join(out_dir, "corpus.jsonl"), os.path.join(out_dir, "index"), stem=False)
     write_atomic(os.path.join(out_dir, "world.json"), json.dumps(dict(seed=seed)))  # last: marks a finished world
     return world, train, test
-
-
-def write_atomic(path, text):
-    """Write a file under a temporary name, then rename it: never left half-written."""
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
 
 
 def stamped(path, **fields):
@@ -172,24 +163,12 @@ def read_jsonl(path):
 
 
 def main():
-    import evolve as E  # the loop's settings: the backbone is built and measured with them
-    import toyagent
-    ap = argparse.ArgumentParser(description="write the toy world (and its backbone)")
+    ap = argparse.ArgumentParser(description="write the toy world: corpus, questions and BM25 index")
     ap.add_argument("out_dir")
-    ap.add_argument("--seed", type=int, default=E.world_seed)
-    ap.add_argument("--world-only", action="store_true")
-    ap.add_argument("--shipped", action="store_true", help="copy the repository's backbone where it fits "
-                    "(what evolve.py does) instead of building it from the code")
-    ap.add_argument("--stats", action="store_true", help="measure the backbone on the test split")
-    ap.add_argument("--temperature", type=float, default=E.temperature, help="sampling temperature of --stats' groups")
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    world_dir, backbone = toyagent.ensure(args.out_dir, args.seed, E.top_k, args.world_only,
-                                          use_shipped=args.shipped)
-    print(f"world: {world_dir}" + ("" if args.world_only else f"\nbackbone: {backbone}"))
-    if args.stats:
-        print(json.dumps(toyagent.backbone_stats(
-            world_dir, group_size=E.group_size, temperature=args.temperature, max_turns=E.max_turns,
-            max_turn_tokens=E.max_turn_tokens, max_obs_tokens=E.max_obs_tokens, top_k=E.top_k, seed=0), indent=1))
+    _, train, test = write_world(args.out_dir, args.seed)
+    print(f"{args.out_dir}: {len(train)} train and {len(test)} test questions, corpus and index")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Runs `evolve.py` once per (variant, seed), two runs at a time on one thread each
 and its backbone are shared), then prints, for each variant and evaluation point, test exact
 match per question type and overall and searches per question as the mean over seeds
 [lowest, highest seed]; the OFSD rounds' diagnostics the same way; and the verdict of the rule
-declared in the README:
+declared in docs/ablation.md:
     a variant gains over GRPO-only only if its final mean EM beats GRPO-only's by more than the
     larger of the two seed ranges (max - min), or its worst seed beats GRPO-only's best seed.
 It writes the learning curves (test EM and searches per round, mean line and min-max band per
@@ -12,7 +12,7 @@ variant) to OUT/curves.svg. A variant is NAME or NAME:--key=value,--key=value (e
 settings); arguments after `--` go to every run. A run whose results are already in OUT with the
 same command is reused (so a killed table resumes where it stopped).
 
-    python bench/bench_ablation.py                     # the README's table: 5 variants x 3 seeds
+    python bench/bench_ablation.py                     # docs/ablation.md's table: 5 variants x 3 seeds
     python bench/bench_ablation.py --seeds 0 --variants grpo:--ofsd=false ofsd -- --grpo_steps=5
 """
 
@@ -25,17 +25,18 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import eval as EV  # noqa: E402  (the repository's chart, shared with evolve.py)
+from eval import curves_svg  # noqa: E402  (the repository's chart, shared with evolve.py)
 
-VARIANTS = (  # pre-declared in the README before the runs; the first is the baseline
+VARIANTS = (  # pre-declared in docs/ablation.md before the runs; the first is the baseline
     "grpo:--ofsd=false",                         # GRPO only, the same GRPO steps
     "ofsd",                                      # GRPO + OFSD with evolve.py's defaults
     "ofsd-incorrect:--ofsd_students=incorrect",  # only pairs whose student sibling is incorrect
     "ofsd-strong:--lora_lr=1e-3,--lora_epochs=4",  # 5x the LoRA learning rate, twice the epochs
     "ofsd-more:--ofsd_questions=192",            # three times the questions mined per round
 )
-DIAGNOSTICS = ("pairs", "incorrect_students", "teacher_em", "student_em", "disagree", "kl_think",
-               "kl_search", "kl_answer", "mined_em_before", "mined_em_after")
+DIAGNOSTICS = ("pairs", "incorrect_students", "teacher_em", "student_em", "disagree", "kl_true_before",
+               "kl_true_after", "clip_frac_before", "p_top_before", "p_top_after", "kl_think", "kl_search",
+               "kl_answer", "mined_em_before", "mined_em_after")
 
 
 def stats(vals):
@@ -81,7 +82,7 @@ def main():
     args = ap.parse_args()
     t0 = time.time()
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, "toyworld.py", "cache/toyworld", "--shipped"], cwd=ROOT, check=True)  # once
+    subprocess.run([sys.executable, "toyagent.py", "cache/toyworld", "--shipped"], cwd=ROOT, check=True)  # once
     os.makedirs(os.path.join(ROOT, args.out), exist_ok=True)
     variants = [(v.partition(":")[0], [a for a in v.partition(":")[2].split(",") if a]) for v in args.variants]
     seeds = args.seeds.split(",")
@@ -97,7 +98,7 @@ def main():
         with open(os.path.join(ROOT, out, "metrics.jsonl")) as f:
             ofsd_rounds.setdefault(name, []).append([r for r in map(json.loads, f) if r["kind"] == "ofsd_round"])
     with open(os.path.join(ROOT, args.out, "curves.svg"), "w") as f:
-        f.write(EV.curves_svg(results))
+        f.write(curves_svg(results))
 
     types = [t for t in results[variants[0][0]][0][0]["summary"] if t != "all"]
     print(f"\nseeds {args.seeds}; mean over seeds [lowest, highest]; {time.time() - t0:.0f} s for the table\n")

@@ -16,7 +16,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import model as M  # noqa: E402
+from generate import generate  # noqa: E402
+from model import Qwen2, Qwen2Config, save  # noqa: E402
+import tokenizer  # noqa: E402
 
 SHAPES = {
     "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -36,24 +38,24 @@ def main():
     import transformers
 
     tmp = tempfile.mkdtemp()
-    tok = M.Tokenizer.train(["the search engine returns documents"] * 10, 300, os.path.join(tmp, "tok.json"))
+    tok = tokenizer.Tokenizer.train(["the search engine returns documents"] * 10, 300, os.path.join(tmp, "tok.json"))
     rows = []
     for shape in args.shapes.split(","):
         torch.manual_seed(0)
-        ours = M.Qwen2(M.Qwen2Config(**SHAPES[shape]))
+        ours = Qwen2(Qwen2Config(**SHAPES[shape]))
         with torch.no_grad():
             for n, p in ours.named_parameters():
                 if not n.endswith("norm.weight"):
                     p.normal_(0, 0.02)
         ours.eval()
         folder = os.path.join(tmp, shape)
-        M.save(ours, tok, folder)
+        save(ours, tok, folder)
         ref = transformers.Qwen2ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         for b in map(int, args.batches.split(",")):
             prompts = torch.randint(0, SHAPES[shape]["vocab_size"], (b, args.prompt),
                                     generator=torch.Generator().manual_seed(b))
             t0 = time.perf_counter()
-            got, _, _ = M.generate(ours, tok, prompts.tolist(), args.new, stop_ids=[])
+            got, _, _ = generate(ours, tok, prompts.tolist(), args.new, stop_ids=[])
             t_ours = time.perf_counter() - t0
             t0 = time.perf_counter()
             with torch.no_grad():

@@ -44,7 +44,9 @@ def main():
     try:
         for name, repo in ((f"base ({args.base})", base_dir), ("this checkout", ROOT)):
             world = os.path.join(tmp, f"world_{len(rows)}")
-            setup, _ = timed([sys.executable, "toyworld.py", world] + (["--shipped"] if os.path.isdir(
+            # the world and backbone command: toyagent.py now, toyworld.py in revisions before it
+            script = "toyagent.py" if "def main" in open(os.path.join(repo, "toyagent.py")).read() else "toyworld.py"
+            setup, _ = timed([sys.executable, script, world] + (["--shipped"] if os.path.isdir(
                 os.path.join(repo, "assets", "toy_backbone")) else []), repo)
             slice_args = [f"--world_dir={world}", f"--out_dir={os.path.join(tmp, f'run_{len(rows)}')}",
                           "--iterations=1", f"--grpo_steps={args.grpo_steps}",

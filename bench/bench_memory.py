@@ -9,7 +9,7 @@ Three parts, printed as tables:
    in bfloat16, with and without activation checkpointing: per token per layer, and per loss
    token at the LM head (log-softmax over the vocabulary, entropy).
 3. The memory table: per GPU on 1 and 8 GPUs, from those formulas and measurements, for the
-   README's real-scale settings (rollout_rows=64 trajectories decoded at once, KV cache in
+   docs/real-scale.md's settings (rollout_rows=64 trajectories decoded at once, KV cache in
    bfloat16; micro_batch=4 trajectories of 2,000 tokens, 600 of them the policy's).
 
     python bench/bench_memory.py [--checkpoint ~/.cache/qwen2.5-coder-0.5b-instruct]
@@ -27,9 +27,9 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import fsdp as FS  # noqa: E402
+from fsdp import shard, state_bytes  # noqa: E402
 import grpo  # noqa: E402
-import model as M  # noqa: E402
+from model import Qwen2, Qwen2Config, load  # noqa: E402
 from rollout import Trajectory  # noqa: E402
 
 GB = 1e9
@@ -47,7 +47,7 @@ MICRO_TOKENS, LOSS_TOKENS = 4 * 2000, 4 * 600
 
 def n_params(cfg):
     with torch.device("meta"):
-        return sum(p.numel() for p in M.Qwen2(cfg).parameters())
+        return sum(p.numel() for p in Qwen2(cfg).parameters())
 
 
 def state_formula(P, ranks):
@@ -62,18 +62,18 @@ def state_formula(P, ranks):
 def worker(model_dir, out):
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
-    policy, tok = M.load(model_dir)
-    reference = M.load(model_dir)[0]
+    policy, tok = load(model_dir)
+    reference = load(model_dir)[0]
     if dist.is_initialized():
-        FS.shard(policy, torch.float32)
-        FS.shard(reference, torch.float32)
+        shard(policy, torch.float32)
+        shard(reference, torch.float32)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
     t = Trajectory("q", 4)
     t.add([1, 2, 3, 4], sampled=False)
     t.add([5, 6, 7, 8], sampled=True, logprobs=[-1.0] * 4)
     grpo.grpo_step(policy, reference, opt, [t, t], [1.0, -1.0], micro_batch=2, clip_ratio=0.2, kl_coef=0.001,
                    entropy_coef=0.0, temperature=1.0, max_grad_norm=1.0, pad_id=0)
-    held = FS.state_bytes(policy, opt, reference)
+    held = state_bytes(policy, opt, reference)
     if not dist.is_initialized() or dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(held, f)
@@ -85,7 +85,7 @@ def worker(model_dir, out):
 def measured_state(model_dir):
     rows = []
     with tempfile.TemporaryDirectory() as d:
-        P = n_params(M.Qwen2Config.from_json(os.path.join(model_dir, "config.json")))
+        P = n_params(Qwen2Config.from_json(os.path.join(model_dir, "config.json")))
         for ranks in (1, 2):
             launch = ([sys.executable] if ranks == 1 else
                       [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"])
@@ -119,9 +119,9 @@ def saved_bytes(fn, model):
 def measured_activations(size, T=256):
     """(bytes per token per decoder layer without / with checkpointing, bytes per loss token at the
     LM head), from a bfloat16 model of one decoder layer at the size's dimensions."""
-    cfg = M.Qwen2Config(**dict(SIZES[size], num_hidden_layers=1), rope_theta=1e6)
+    cfg = Qwen2Config(**dict(SIZES[size], num_hidden_layers=1), rope_theta=1e6)
     torch.manual_seed(0)
-    model = M.Qwen2(cfg).to(torch.bfloat16).train()
+    model = Qwen2(cfg).to(torch.bfloat16).train()
     block = model.model.layers[0]
     x = torch.randn(1, T, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
     emb = torch.randn(1, 1, T, cfg.head_dim, dtype=torch.bfloat16)  # stands for the rotary cos / sin
@@ -156,7 +156,7 @@ def main():
     models += [(os.path.basename(args.checkpoint.rstrip("/")), args.checkpoint)] if args.checkpoint else []
     for name, path in models:
         if not os.path.isdir(path):
-            subprocess.run([sys.executable, "toyworld.py", "cache/toyworld", "--shipped"], cwd=ROOT, check=True)
+            subprocess.run([sys.executable, "toyagent.py", "cache/toyworld", "--shipped"], cwd=ROOT, check=True)
         for ranks, P, held, f in measured_state(path):
             print(f"| {name} | {P / 1e6:.1f}M | {ranks} | {held['params'] / 1e6:.2f} | {held['grads'] / 1e6:.2f} | "
                   f"{held['optimizer'] / 1e6:.2f} | {held['reference'] / 1e6:.2f} | {f['params'] / 1e6:.2f} / "
@@ -177,7 +177,7 @@ def main():
           "| rollout: KV cache | activations (no ckpt / ckpt) | peak (no ckpt / ckpt) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for size, dims in SIZES.items():
-        cfg = M.Qwen2Config(**dims, rope_theta=1e6)
+        cfg = Qwen2Config(**dims, rope_theta=1e6)
         P, L = n_params(cfg), cfg.num_hidden_layers
         kv = 2 * L * cfg.num_key_value_heads * cfg.head_dim * 2 * ROLLOUT_ROWS * MAX_LEN  # bfloat16 K and V
         layer, ckpt, head = acts[size]

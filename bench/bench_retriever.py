@@ -43,7 +43,9 @@ from collections import Counter
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import retriever as R  # noqa: E402
+import analysis  # noqa: E402
+import index_build  # noqa: E402
+import retriever  # noqa: E402
 
 
 def make_corpus(path, n_docs, seed=0, vocab_size=300_000, heavy_head=False):
@@ -52,7 +54,7 @@ def make_corpus(path, n_docs, seed=0, vocab_size=300_000, heavy_head=False):
     lens = rng.integers(3, 11, vocab_size)
     words = ["".join(rng.choice(letters, n)) for n in lens]
     at = 50 if heavy_head else 0  # heavy head: the 50 most frequent words are not stopwords
-    words = words[:at] + sorted(R.STOPWORDS) + words[at:]
+    words = words[:at] + sorted(analysis.STOPWORDS) + words[at:]
     p = 1.0 / np.arange(1, len(words) + 1) ** 1.07
     p /= p.sum()
     n_words = rng.integers(80, 121, n_docs)
@@ -115,9 +117,9 @@ def best_qps(search, n_queries, repeat):
 def run_ours(corpus, queries, repeat, workers, q):
     idx_dir = os.path.join(os.path.dirname(corpus), "index")
     t0 = time.perf_counter()
-    R.build_index(corpus, idx_dir)
+    index_build.build_index(corpus, idx_dir)
     build = time.perf_counter() - t0
-    index = R.load_index(idx_dir)
+    index = retriever.load_index(idx_dir)
     index.search(queries[:50], 10)  # warm the page cache
     for s in queries:  # every query word's stem cached, as bm25s is handed the stems untimed
         index.analyzer(s)
@@ -132,8 +134,8 @@ def run_ours(corpus, queries, repeat, workers, q):
 
 def run_bm25s(corpus, queries, backend, repeat, workers, q):
     import bm25s
-    analyze = R.Analyzer()  # one cache of stems for the whole corpus
-    tokens = [analyze(f"{t} {x}") for _, _, t, x in R.read_corpus(corpus)]
+    analyze = analysis.Analyzer()  # one cache of stems for the whole corpus
+    tokens = [analyze(f"{t} {x}") for _, _, t, x in index_build.read_corpus(corpus)]
     t0 = time.perf_counter()
     ret = bm25s.BM25(method="lucene", k1=0.9, b=0.4, backend=backend)
     ret.index(tokens, show_progress=False)
@@ -153,21 +155,21 @@ def brute_force_top10(corpus, queries, k1=0.9, b=0.4):
     """Float64 BM25 written from the formula: two streaming passes over the corpus (document
     lengths and document frequencies, then every document's score for every query), then a full
     sort per query. Memory is one float64 per (query, document), never the corpus."""
-    analyze = R.Analyzer()
+    analyze = analysis.Analyzer()
     holders = {}  # query word -> [(query, how often it occurs there)]
     for i, s in enumerate(queries):
         for w, c in Counter(analyze(s)).items():
             holders.setdefault(w, []).append((i, c))
     wanted = set(holders)
     dl, df = [], Counter()
-    for _, _, t, x in R.read_corpus(corpus):
+    for _, _, t, x in index_build.read_corpus(corpus):
         toks = analyze(f"{t} {x}")
         dl.append(len(toks))
         df.update(wanted.intersection(toks))
     n, avgdl = len(dl), sum(dl) / len(dl)
     idf = {w: math.log(1 + (n - df[w] + 0.5) / (df[w] + 0.5)) for w in wanted}
     score = np.zeros((len(queries), n))
-    for d, (_, _, t, x) in enumerate(R.read_corpus(corpus)):
+    for d, (_, _, t, x) in enumerate(index_build.read_corpus(corpus)):
         tf = Counter(w for w in analyze(f"{t} {x}") if w in wanted)
         for w, f in sorted(tf.items()):  # one order for every document: true ties stay exact ties
             s = idf[w] * f * (k1 + 1) / (f + k1 * (1 - b + b * dl[d] / avgdl))

@@ -21,9 +21,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import model as M  # noqa: E402
-import retriever as R  # noqa: E402
-import rollout as RO  # noqa: E402
+from model import Qwen2, Qwen2Config, save  # noqa: E402
+from tokenizer import QWEN2_CHAT_TEMPLATE, Tokenizer  # noqa: E402
+import index_build  # noqa: E402
+import retriever  # noqa: E402
+from rollout import ACTION, INVALID, STOP_STRINGS, make_prompt, observation, rollout  # noqa: E402
 from bench_generate import SHAPES  # noqa: E402
 
 QUESTIONS = ["who founded the city of paris", "where was ada lovelace born", "which river flows through tokyo",
@@ -33,7 +35,7 @@ QUESTIONS = ["who founded the city of paris", "where was ada lovelace born", "wh
 
 def baseline(hf, hf_tok, tok, index, questions, G, turns, cap, max_obs):
     """The protocol loop with the whole prefix re-encoded by transformers' generate every turn."""
-    rows = [tok.encode(tok.chat_prompt(RO.make_prompt(q))) for q in questions for _ in range(G)]
+    rows = [tok.encode(tok.chat_prompt(make_prompt(q))) for q in questions for _ in range(G)]
     active, n_gen = list(range(len(rows))), 0
     for turn in range(turns + 1):
         if not active:
@@ -47,7 +49,7 @@ def baseline(hf, hf_tok, tok, index, questions, G, turns, cap, max_obs):
         with torch.no_grad():
             out = hf.generate(ids, attention_mask=mask, do_sample=True, top_k=0, temperature=1.0,
                               max_new_tokens=cap, eos_token_id=tok.eos_ids, pad_token_id=tok.pad_id,
-                              stop_strings=list(RO.STOP_STRINGS), tokenizer=hf_tok)
+                              stop_strings=list(STOP_STRINGS), tokenizer=hf_tok)
         still = []
         for j, i in enumerate(active):
             new = out[j, T:].tolist()
@@ -55,14 +57,14 @@ def baseline(hf, hf_tok, tok, index, questions, G, turns, cap, max_obs):
                 new.pop()
             n_gen += len(new)
             rows[i] = rows[i] + new
-            m = RO.ACTION.search(tok.decode(new))
+            m = ACTION.search(tok.decode(new))
             if (m and m.group(1) == "answer") or turn == turns:
                 continue
             if m:
                 hits = index.search([m.group(2)], 3)[0]
-                rows[i] += tok.encode(RO.observation([index.doc(d) for d, _ in hits]))[:max_obs]
+                rows[i] += tok.encode(observation([index.doc(d) for d, _ in hits]))[:max_obs]
             else:
-                rows[i] += tok.encode(RO.INVALID)
+                rows[i] += tok.encode(INVALID)
             still.append(i)
         active = still
     return n_gen
@@ -78,25 +80,25 @@ def main():
     ap.add_argument("--cap", type=int, default=32)
     args = ap.parse_args()
     import transformers
-    tok = M.Tokenizer(args.tokenizer, chat_template=M.QWEN2_CHAT_TEMPLATE)  # random weights: any template
+    tok = Tokenizer(args.tokenizer, chat_template=QWEN2_CHAT_TEMPLATE)  # random weights: any template
     hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=args.tokenizer)
     tmp = tempfile.mkdtemp()
     with open(os.path.join(tmp, "c.jsonl"), "w") as f:
         for i in range(2000):
             f.write(json.dumps({"id": i, "contents": f'"Doc {i}"\n' + " ".join(QUESTIONS[i % 8].split()[j % 5] for j in range(i % 50 + 20))}) + "\n")
-    R.build_index(os.path.join(tmp, "c.jsonl"), os.path.join(tmp, "idx"))
-    index = R.load_index(os.path.join(tmp, "idx"))
+    index_build.build_index(os.path.join(tmp, "c.jsonl"), os.path.join(tmp, "idx"))
+    index = retriever.load_index(os.path.join(tmp, "idx"))
     table = []
     for shape in args.shapes.split(","):
         cfg = dict(SHAPES[shape], vocab_size=151936)
         torch.manual_seed(0)
-        ours = M.Qwen2(M.Qwen2Config(**cfg)).eval()
+        ours = Qwen2(Qwen2Config(**cfg)).eval()
         folder = os.path.join(tmp, shape)
-        M.save(ours, tok, folder)
+        save(ours, tok, folder)
         hf = transformers.Qwen2ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         qs = QUESTIONS[:args.B]
         t0 = time.perf_counter()
-        trajs = RO.rollout(ours, tok, index, qs, args.G, max_turns=args.turns, max_turn_tokens=args.cap,
+        trajs = rollout(ours, tok, index, qs, args.G, max_turns=args.turns, max_turn_tokens=args.cap,
                            max_obs_tokens=500, top_k=3, temperature=1.0, top_p=1.0,
                            generator=torch.Generator().manual_seed(0))
         t_ours = time.perf_counter() - t0

@@ -38,7 +38,9 @@ import torch  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import clipped_kl  # noqa: E402
+import generate  # noqa: E402
 import model  # noqa: E402
+from tokenizer import Tokenizer  # noqa: E402
 from bench_memory import SIZES, n_params, state_formula  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
@@ -146,7 +148,7 @@ def random_model(cfg, dtype):
 def generate_rows(tmp):
     import transformers
     rows = []
-    tok = model.Tokenizer.train(["the search engine returns documents"] * 10, 300, os.path.join(tmp, "tok.json"))
+    tok = Tokenizer.train(["the search engine returns documents"] * 10, 300, os.path.join(tmp, "tok.json"))
     tiny = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, tie_word_embeddings=True)
     shapes = {"tiny": tiny} if SMOKE else {"0.5B": SIZES["0.5B"], "3B": SIZES["3B"]}
@@ -159,8 +161,8 @@ def generate_rows(tmp):
         ref = transformers.Qwen2ForCausalLM.from_pretrained(folder, dtype=dt).to(DEV).eval()
         for b in batches:
             prompts = torch.randint(0, cfg["vocab_size"], (b, prompt_len), generator=torch.Generator().manual_seed(b))
-            prefill, _ = timed(lambda: model.generate(ours, tok, prompts.tolist(), 1, stop_ids=[]), repeats=1)
-            sec, peak = timed(lambda: model.generate(ours, tok, prompts.tolist(), new, stop_ids=[]), repeats=1)
+            prefill, _ = timed(lambda: generate.generate(ours, tok, prompts.tolist(), 1, stop_ids=[]), repeats=1)
+            sec, peak = timed(lambda: generate.generate(ours, tok, prompts.tolist(), new, stop_ids=[]), repeats=1)
             p = prompts.to(DEV)
             with torch.no_grad():
                 ref_sec, ref_peak = timed(lambda: ref.generate(
@@ -170,7 +172,6 @@ def generate_rows(tmp):
                              tokens_per_s=b * new / sec, prefill_s=prefill, peak_gib=peak,
                              transformers_tokens_per_s=b * new / ref_sec, transformers_peak_gib=ref_peak,
                              speedup=ref_sec / sec, ok=True))
-        del ours, ref
         if DEV == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -181,7 +182,7 @@ def generate_rows(tmp):
 
 def loop_rows(tmp, checkpoint):
     world = os.path.join(tmp, "toyworld")
-    subprocess.run([sys.executable, "toyworld.py", world, "--shipped"], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run([sys.executable, "toyagent.py", world, "--shipped"], cwd=ROOT, check=True, capture_output=True)
     if SMOKE or not checkpoint:  # the toy backbone (smoke) or random weights of the 0.5B shape
         ckpt = os.path.join(world, "backbone")
         if not SMOKE:

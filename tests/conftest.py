@@ -10,7 +10,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import model as M  # noqa: E402
+from model import Qwen2, Qwen2Config, save  # noqa: E402
+from tokenizer import Tokenizer  # noqa: E402
 
 WORDS = ("the search engine returns documents about cities people rivers companies founded born "
          "capital country answer question think information who which where when what year "
@@ -28,19 +29,19 @@ def tiny_texts(n=400, seed=0):
 @pytest.fixture(scope="session")
 def tokenizer(tmp_path_factory):
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    return M.Tokenizer.train(tiny_texts(), 400, str(path))
+    return Tokenizer.train(tiny_texts(), 400, str(path))
 
 
 def tiny_config(**kw):
     base = dict(vocab_size=400, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0)
     base.update(kw)
-    return M.Qwen2Config(**base)
+    return Qwen2Config(**base)
 
 
 def random_model(cfg, seed=0, dtype=torch.float32):
     torch.manual_seed(seed)
-    model = M.Qwen2(cfg)
+    model = Qwen2(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -55,7 +56,7 @@ def tiny_checkpoint(tmp_path, tokenizer):
     """A folder holding a random tiny Qwen2 checkpoint written by model.save."""
     model = random_model(tiny_config())
     path = str(tmp_path / "ckpt")
-    M.save(model, tokenizer, path)
+    save(model, tokenizer, path)
     return path
 
 
@@ -67,26 +68,27 @@ AGENT_QUESTION = "which river flows through Paris"
 
 @pytest.fixture(scope="session")
 def search_index(tmp_path_factory):
-    import retriever as R
+    import index_build
+    import retriever
     d = tmp_path_factory.mktemp("corpus")
     with open(d / "corpus.jsonl", "w") as f:
         for i in range(40):
             text = " ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(i % 9 + 4))
             f.write(json.dumps({"id": str(i), "contents": f'"Doc{i} {WORDS[i % len(WORDS)]}"\n{text}'}) + "\n")
-    R.build_index(str(d / "corpus.jsonl"), str(d / "index"))
-    return R.load_index(str(d / "index"))
+    index_build.build_index(str(d / "corpus.jsonl"), str(d / "index"))
+    return retriever.load_index(str(d / "index"))
 
 
 @pytest.fixture(scope="session")
 def agent(tokenizer, search_index):
     """A tiny Qwen2 fine-tuned for a few seconds to search once, then answer (a real model)."""
-    import rollout as RO
+    from rollout import make_prompt, observation
     torch.manual_seed(0)
     model = random_model(tiny_config(num_hidden_layers=2, hidden_size=64), seed=1)
-    prompt = tokenizer.encode(tokenizer.chat_prompt(RO.make_prompt(AGENT_QUESTION)))
+    prompt = tokenizer.encode(tokenizer.chat_prompt(make_prompt(AGENT_QUESTION)))
     turn1 = tokenizer.encode("<think> I need to search. </think>\n<search> river Paris </search>")
     hits = search_index.search(["river Paris"], 3)[0]
-    obs = tokenizer.encode(RO.observation([search_index.doc(i) for i, _ in hits]))
+    obs = tokenizer.encode(observation([search_index.doc(i) for i, _ in hits]))
     turn2 = tokenizer.encode("<think> found it </think>\n<answer> Paris </answer>")
     ids = torch.tensor([prompt + turn1 + obs + turn2])
     mask = torch.tensor([[0] * len(prompt) + [1] * len(turn1) + [0] * len(obs) + [1] * len(turn2)]).bool()
@@ -105,7 +107,7 @@ def agent(tokenizer, search_index):
 def micro(tmp_path_factory, agent, tokenizer, search_index):
     """A model folder, an index and tiny question files: everything evolve.py needs."""
     d = tmp_path_factory.mktemp("micro")
-    M.save(agent, tokenizer, str(d / "model"))
+    save(agent, tokenizer, str(d / "model"))
     qs = [{"question": AGENT_QUESTION, "golden_answers": ["Paris"], "type": "single"},
           {"question": "who founded Tokyo", "golden_answers": ["Ada Lovelace"], "type": "bridge"},
           {"question": "which lake is near London", "golden_answers": ["Paris"], "type": "single"}]

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import fsdp as FS  # noqa: E402
+import fsdp  # noqa: E402
 import grpo  # noqa: E402
-import model as M  # noqa: E402
+from model import load  # noqa: E402
 import ofsd  # noqa: E402
 from rollout import Trajectory, make_prompt  # noqa: E402
 
@@ -77,16 +77,16 @@ def main():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     torch.manual_seed(0)
-    policy, tokenizer = M.load(model_dir)
-    reference = M.load(model_dir)[0]
+    policy, tokenizer = load(model_dir)
+    reference = load(model_dir)[0]
     trajs = trajectories(policy, tokenizer, shift)
     rewards = [1, 0, 0, 0, 1, 1, 0, 0, 0, 1, 0, 1]
     adv = grpo.group_advantages(rewards, G).tolist()
     plain = {str(d): plain_step(policy, d, trajs, adv, tokenizer.pad_id) for d in (torch.float32, torch.bfloat16)} \
         if shift == 0 else None
     if dist.is_initialized():
-        FS.shard(policy, dt)
-        FS.shard(reference, dt)
+        fsdp.shard(policy, dt)
+        fsdp.shard(reference, dt)
     policy.checkpoint_layers = mode == "checkpointing"
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3, weight_decay=0.0)
     grads = []  # the full gradient of each step, taken just before AdamW applies it
@@ -94,20 +94,20 @@ def main():
         {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().to("cpu", copy=True)
          for n, p in policy.named_parameters()}))
     mine = [i * G + j for i in range(rank, len(QUESTIONS), world) for j in range(G)]
-    steps, weights = [], [FS.full_state_dict(policy)]
+    steps, weights = [], [fsdp.full_state_dict(policy)]
     policy.train()
     for _ in range(3):
         steps.append(grpo.grpo_step(policy, reference, optimizer, [trajs[i] for i in mine], [adv[i] for i in mine],
                                     micro_batch=2, clip_ratio=0.2, kl_coef=0.01, entropy_coef=0.01,
                                     temperature=1.0, max_grad_norm=1.0, pad_id=tokenizer.pad_id))
-        weights.append(FS.full_state_dict(policy))
+        weights.append(fsdp.full_state_dict(policy))
     policy.eval()
-    held = FS.state_bytes(policy, optimizer, reference)
-    after_grpo = FS.full_state_dict(policy)
+    held = fsdp.state_bytes(policy, optimizer, reference)
+    after_grpo = fsdp.full_state_dict(policy)
     pairs = [(trajs[g * G], trajs[g * G + 1], True) for g in range(len(QUESTIONS))]
-    m = ofsd.distill(policy, tokenizer, pairs, lora_rank=4, lora_alpha=8, lr=1e-2, epochs=2, micro_batch=2,
+    m = ofsd.distill(policy, tokenizer, pairs, lora_rank=4, lora_alpha=8, lora_lr=1e-2, lora_epochs=2, ofsd_micro_batch=2,
                      tau_clip=0.05, ofsd_clip="vocab", max_grad_norm=1.0, kl_chunk=7, seed=0)
-    after_ofsd = FS.full_state_dict(policy)
+    after_ofsd = fsdp.full_state_dict(policy)
     if rank == 0:
         torch.save(dict(steps=steps, weights=weights, grads=grads, plain=plain, ofsd=m, state_bytes=held, after_grpo=after_grpo, after_ofsd=after_ofsd), out)
     if dist.is_initialized():

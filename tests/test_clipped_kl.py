@@ -4,9 +4,9 @@ paths against float64, the fused hidden-state path, and which modes move a stude
 import pytest
 import torch
 
-import clipped_kl as C
+import clipped_kl
 
-triton_cases = pytest.mark.skipif(C.triton is None, reason="triton not installed")
+triton_cases = pytest.mark.skipif(clipped_kl.triton is None, reason="triton not installed")
 PATHS = [pytest.param(True, marks=triton_cases, id="triton"), pytest.param(False, id="chunked")]
 # bfloat16 keeps 8 significant bits: one step of its grid (an ulp) at x is at most 2^-7 |x|. Writing
 # a float32 result as bfloat16 rounds once: to nearest on CUDA (half an ulp), toward zero under
@@ -17,7 +17,7 @@ BF16_ULP = 2.0 ** -7
 def reference64(s, t, tau, clip):
     """Loss and gradient in float64 through the plain PyTorch spec (of the same, possibly rounded, inputs)."""
     s64 = s.detach().double().requires_grad_(True)
-    loss = C.clipped_forward_kl_spec(s64, t.double(), tau, clip)
+    loss = clipped_kl.clipped_forward_kl_spec(s64, t.double(), tau, clip)
     (g,) = torch.autograd.grad(loss, s64)
     return loss, g
 
@@ -30,7 +30,7 @@ def case(n, v, dtype, spread=3.0, seed=0):
 
 
 def row_kl(s, t):
-    return torch.stack([C.clipped_forward_kl_spec(s[i:i + 1].double(), t[i:i + 1].double(), 0.0, "none")
+    return torch.stack([clipped_kl.clipped_forward_kl_spec(s[i:i + 1].double(), t[i:i + 1].double(), 0.0, "none")
                         for i in range(s.shape[0])])
 
 
@@ -41,7 +41,7 @@ def tau_between(kl):
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("clip", C.CLIPS)
+@pytest.mark.parametrize("clip", clipped_kl.CLIPS)
 @pytest.mark.parametrize("n,v", [(1, 7), (5, 1000), (13, 3001), (37, 4097)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("active", [False, True], ids=["clip-off", "clip-on"])
@@ -52,7 +52,7 @@ def test_matches_float64_reference(path, clip, n, v, dtype, active):
     tau = (tau_between(row_kl(s, t)) if clip == "position" else 0.002) if active else 1e9
     want, g_want = reference64(s, t, tau, clip)
     x = s.clone().requires_grad_(True)
-    loss = C.clipped_forward_kl(x, t, tau, clip, use_triton=path)
+    loss = clipped_kl.clipped_forward_kl(x, t, tau, clip, use_triton=path)
     (g,) = torch.autograd.grad(loss, x)
     # the loss is a float32 sum whatever the input dtype; the gradient is written in the input's
     # dtype, so bfloat16 rounds each element once after float32 arithmetic (an all-zero gradient fails)
@@ -69,19 +69,19 @@ def test_clip_modes_differ_as_defined(path):
     """With a small tau_clip: vocab < KL, position = min(KL, tau) per row, none = KL."""
     s, t = case(9, 513, torch.float32, spread=4.0)
     kl = row_kl(s, t)
-    got = {clip: C.clipped_forward_kl(s, t, 0.001, clip, use_triton=path).item() for clip in C.CLIPS}
+    got = {clip: clipped_kl.clipped_forward_kl(s, t, 0.001, clip, use_triton=path).item() for clip in clipped_kl.CLIPS}
     assert got["vocab"] < 0.5 * got["none"]
     assert abs(got["none"] - kl.mean().item()) <= 1e-5 * kl.mean().item()
     assert abs(got["position"] - kl.clamp(max=0.001).mean().item()) <= 1e-7
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("clip", C.CLIPS)
+@pytest.mark.parametrize("clip", clipped_kl.CLIPS)
 def test_teacher_equals_student_gives_zero(path, clip):
     """Teacher = student: loss 0 and gradient 0, every mode."""
     s, _ = case(11, 777, torch.float32)
     x = s.clone().requires_grad_(True)
-    loss = C.clipped_forward_kl(x, s, 0.05, clip, use_triton=path)
+    loss = clipped_kl.clipped_forward_kl(x, s, 0.05, clip, use_triton=path)
     (g,) = torch.autograd.grad(loss, x)
     assert abs(loss.item()) <= 1e-6 and g.abs().max() <= 1e-7
 
@@ -91,11 +91,11 @@ def test_non_unit_grad_output(path):
     """backward scales the stored gradient by grad_output."""
     s, t = case(6, 301, torch.float32)
     x = s.clone().requires_grad_(True)
-    (C.clipped_forward_kl(x, t, 0.01, "vocab", use_triton=path) * -2.5).backward()
+    (clipped_kl.clipped_forward_kl(x, t, 0.01, "vocab", use_triton=path) * -2.5).backward()
     assert torch.allclose(x.grad.double(), -2.5 * reference64(s, t, 0.01, "vocab")[1], atol=1e-6)
 
 
-@pytest.mark.parametrize("clip", C.CLIPS)
+@pytest.mark.parametrize("clip", clipped_kl.CLIPS)
 def test_analytic_gradient_formula(clip):
     """dL/dz = g * (Ps * S - m * Pt) (per row, over N) equals autograd of the reference, float64."""
     s, t = case(4, 50, torch.float64)
@@ -117,21 +117,21 @@ def test_direction_from_a_start_near_the_teacher():
     start = t.clone()
     start[0, 0] -= 0.5  # the student gives it 0.77: its term 0.85 log(0.85 / 0.77) > tau_clip
     true_kl = {}
-    for clip in C.CLIPS:
+    for clip in clipped_kl.CLIPS:
         s = start.clone().requires_grad_(True)
         for _ in range(300):
-            (grad,) = torch.autograd.grad(C.clipped_forward_kl(s, t, 0.05, clip), s)
+            (grad,) = torch.autograd.grad(clipped_kl.clipped_forward_kl(s, t, 0.05, clip), s)
             with torch.no_grad():
                 s -= grad
-        true_kl[clip] = C.clipped_forward_kl_spec(s.detach(), t, 0.0, "none").item()
+        true_kl[clip] = clipped_kl.clipped_forward_kl_spec(s.detach(), t, 0.0, "none").item()
         if clip == "vocab":
             assert s.softmax(-1)[0, 0] < 0.1  # the teacher's favourite, abandoned
-    kl0 = C.clipped_forward_kl_spec(start, t, 0.0, "none").item()  # 0.018
+    kl0 = clipped_kl.clipped_forward_kl_spec(start, t, 0.0, "none").item()  # 0.018
     assert true_kl["position"] < 0.01 * kl0 and true_kl["none"] < 0.01 * kl0
     assert true_kl["vocab"] > 100 * kl0
 
 
-@pytest.mark.parametrize("clip", C.CLIPS)
+@pytest.mark.parametrize("clip", clipped_kl.CLIPS)
 def test_fused_linear_equals_logits_path(clip):
     """Hidden states + LM head (no (N, V) logits kept) give the logits path's loss and gradient."""
     g = torch.Generator().manual_seed(0)
@@ -139,15 +139,15 @@ def test_fused_linear_equals_logits_path(clip):
     w = torch.randn(1001, 32, generator=g) * 0.3
     tau = tau_between(row_kl(hs @ w.T, ht @ w.T)) if clip == "position" else 0.01
     x = hs.clone().requires_grad_(True)
-    loss = C.fused_linear_clipped_kl(x, ht, w, tau, clip, chunk=5)
+    loss = clipped_kl.fused_linear_clipped_kl(x, ht, w, tau, clip, chunk=5)
     (gx,) = torch.autograd.grad(loss, x)
     y = hs.clone().requires_grad_(True)
-    want = C.clipped_forward_kl_spec(y @ w.T, ht @ w.T, tau, clip)
+    want = clipped_kl.clipped_forward_kl_spec(y @ w.T, ht @ w.T, tau, clip)
     (gy,) = torch.autograd.grad(want, y)
     assert abs(loss.item() - want.item()) <= 1e-5 and torch.allclose(gx, gy, atol=1e-6)
 
 
-@pytest.mark.parametrize("clip", C.CLIPS)
+@pytest.mark.parametrize("clip", clipped_kl.CLIPS)
 def test_fused_row_weights_are_a_weighted_sum(clip):
     """With per-row weights (the per-pair 1 / (|R| B)) the fused loss is sum_r w_r l_r, gradient included."""
     g = torch.Generator().manual_seed(1)
@@ -155,10 +155,10 @@ def test_fused_row_weights_are_a_weighted_sum(clip):
     w = torch.randn(613, 24, generator=g) * 0.3
     rw = torch.tensor([1 / 6] * 3 + [1 / 16] * 8)  # two pairs of 3 and 8 positions, a batch of 2
     x = hs.clone().requires_grad_(True)
-    loss = C.fused_linear_clipped_kl(x, ht, w, 0.2, clip, row_weight=rw, chunk=4)
+    loss = clipped_kl.fused_linear_clipped_kl(x, ht, w, 0.2, clip, row_weight=rw, chunk=4)
     (gx,) = torch.autograd.grad(loss, x)
     y = hs.double().requires_grad_(True)
-    want = sum(rw[r].double() * C.clipped_forward_kl_spec(y[r:r + 1] @ w.T.double(), ht[r:r + 1].double() @ w.T.double(),
+    want = sum(rw[r].double() * clipped_kl.clipped_forward_kl_spec(y[r:r + 1] @ w.T.double(), ht[r:r + 1].double() @ w.T.double(),
                                                           0.2, clip) for r in range(11))
     (gy,) = torch.autograd.grad(want, y)
     assert abs(loss.item() - want.item()) <= 1e-6 and (gx.double() - gy).abs().max() <= 1e-6
@@ -170,9 +170,9 @@ def test_gradient_written_into_its_input(path):
     s, t = case(7, 1030, torch.float32)
     scale = torch.linspace(0.1, 1.0, 7)
     sep = torch.empty_like(s)
-    rows = C.loss_and_grad(s, t, 0.01, "vocab", scale, sep, use_triton=path)
+    rows = clipped_kl.loss_and_grad(s, t, 0.01, "vocab", scale, sep, use_triton=path)
     inplace = s.clone()
-    rows2 = C.loss_and_grad(inplace, t, 0.01, "vocab", scale, inplace, use_triton=path)
+    rows2 = clipped_kl.loss_and_grad(inplace, t, 0.01, "vocab", scale, inplace, use_triton=path)
     assert torch.equal(rows, rows2) and torch.equal(sep, inplace)
     assert (sep.double() - reference64(s, t, 0.01, "vocab")[1] * 7 * scale[:, None].double()).abs().max() <= 1e-6
 
@@ -181,4 +181,4 @@ def test_unknown_clip_is_refused():
     """A clip mode that does not exist is a named error, not a silent default."""
     s, t = case(2, 9, torch.float32)
     with pytest.raises(ValueError, match="clip='token'"):
-        C.clipped_forward_kl(s, t, 0.05, "token")
+        clipped_kl.clipped_forward_kl(s, t, 0.05, "token")

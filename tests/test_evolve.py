@@ -10,7 +10,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-import model as M
+from model import load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,7 +34,7 @@ def test_one_iteration_end_to_end(micro, tmp_path):
     assert kinds == ["eval", "grpo_step", "grpo_step", "eval", "ofsd_round", "eval"]
     state = json.load(open(os.path.join(out, "checkpoint", "state.json")))
     assert state["done"] == 3 and state["step"] == 2
-    M.load(os.path.join(out, "checkpoint", "model"))
+    load(os.path.join(out, "checkpoint", "model"))
     assert "| round | after |" in open(os.path.join(out, "results.md")).read()
     assert open(os.path.join(out, "curves.svg")).read().startswith("<svg")
     assert "grpo | it 0 | step    1 | reward" in p.stdout
@@ -91,25 +91,25 @@ def test_unknown_key_is_rejected():
 def test_overrides_parse_types():
     """An int is accepted for a float; bools take true/false; --resume alone is True."""
     sys.path.insert(0, ROOT)
-    import evolve as E
-    o = E.parse_overrides(["--lr=1", "--ofsd=false", "--resume", "--grpo_steps=7", "--out_dir=x"])
+    from evolve import parse_overrides
+    o = parse_overrides(["--lr=1", "--ofsd=false", "--resume", "--grpo_steps=7", "--out_dir=x"])
     assert o == {"lr": 1.0, "ofsd": False, "resume": True, "grpo_steps": 7, "out_dir": "x"}
     assert isinstance(o["lr"], float)
     with pytest.raises(SystemExit, match="--grpo_steps=1.5: expected int"):
-        E.parse_overrides(["--grpo_steps=1.5"])
+        parse_overrides(["--grpo_steps=1.5"])
 
 
 def test_curves_svg_draws_mean_and_band():
     """The chart: per variant and panel, a mean line through every evaluation and a min-max band."""
     import xml.etree.ElementTree as ET
 
-    import eval as EV
+    from eval import curves_svg
 
     def row(after, it, em, searches):
         return dict(after=after, iteration=it, summary={"all": dict(em=em, searches=searches)})
     runs = [[row("start", 0, 0.2, 1.0), row("grpo", 0, 0.4, 1.5), row("ofsd", 0, 0.5, 1.2)],
             [row("start", 0, 0.2, 1.0), row("grpo", 0, 0.6, 1.7), row("ofsd", 0, 0.3, 1.4)]]
-    svg = ET.fromstring(EV.curves_svg({"a": runs, "b": [[row("start", 0, 0.2, 1.0), row("grpo", 0, 0.5, 1.1)]]}))
+    svg = ET.fromstring(curves_svg({"a": runs, "b": [[row("start", 0, 0.2, 1.0), row("grpo", 0, 0.5, 1.1)]]}))
     ns = "{http://www.w3.org/2000/svg}"
     lines, bands = svg.findall(f"{ns}polyline"), svg.findall(f"{ns}polygon")
     assert len(lines) == len(bands) == 4  # 2 variants x 2 panels

@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import model as M
+from model import load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
@@ -162,7 +162,7 @@ def test_two_rank_run_completes(two_rank_runs):
     assert all(len(r["state_bytes"]) == 2 for r in rows if r["kind"] == "grpo_step")
     assert stdout.count("grpo | it 0 | step") == 1
     assert os.listdir(os.path.join(full, "checkpoint", "optimizer"))  # each rank's optimizer slices
-    M.load(os.path.join(full, "checkpoint", "model"))
+    load(os.path.join(full, "checkpoint", "model"))
 
 
 def test_two_rank_checkpoint_loads_in_transformers(two_rank_runs):
@@ -170,7 +170,7 @@ def test_two_rank_checkpoint_loads_in_transformers(two_rank_runs):
     transformers = pytest.importorskip("transformers")
     path = os.path.join(two_rank_runs[0], "checkpoint", "model")
     hf = transformers.Qwen2ForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
-    ours = M.load(path)[0]
+    ours = load(path)[0]
     ids = torch.tensor([[5, 17, 99, 3, 250, 42]])
     with torch.no_grad():
         assert torch.allclose(hf(ids).logits, ours(ids), atol=1e-4)

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-import grpo as GR
-import rollout as RO
+import grpo
+import rollout
 from conftest import AGENT_QUESTION
 from test_rollout import run
 
@@ -25,18 +25,18 @@ from test_rollout import run
 ])
 def test_exact_match_cases(pred, golds, want):
     """EM behaves like Search-R1's on articles, punctuation, case, spaces and several golds."""
-    assert RO.exact_match(pred, golds) == want
+    assert rollout.exact_match(pred, golds) == want
 
 
 def test_prompt_example_is_not_an_answer():
     """A response without its own <answer> scores 0 even though the prompt shows <answer> Beijing."""
-    assert RO.extract_answer("<think> hmm </think> I think it is Beijing") is None
-    assert RO.exact_match(RO.extract_answer("no tag, Beijing"), ["Beijing"]) == 0.0
+    assert rollout.extract_answer("<think> hmm </think> I think it is Beijing") is None
+    assert rollout.exact_match(rollout.extract_answer("no tag, Beijing"), ["Beijing"]) == 0.0
 
 
 def test_group_advantages_by_hand():
     """(r - mean) / (std + 1e-6) per group with Bessel's std; equal rewards give 0."""
-    adv = GR.group_advantages([1, 0, 0, 1, 1, 0, 0, 0, 0, 0], 5)
+    adv = grpo.group_advantages([1, 0, 0, 1, 1, 0, 0, 0, 0, 0], 5)
     s = math.sqrt(0.3)  # unbiased std of [1, 0, 0, 1, 1]
     want = [0.4 / s, -0.6 / s, -0.6 / s, 0.4 / s, 0.4 / s] + [0.0] * 5
     assert torch.allclose(adv, torch.tensor(want), atol=1e-5)
@@ -48,7 +48,7 @@ def test_token_loss_by_hand():
     old = torch.tensor([-1.5, -1.0, -0.5])
     kl_logp = torch.tensor([-1.0, -2.5, -0.4])
     adv = torch.tensor([1.0, -2.0, 0.5])
-    loss, pg, kl, clipped = GR.grpo_token_loss(logp, old, kl_logp, adv, clip_ratio=0.2, kl_coef=0.1)
+    loss, pg, kl, clipped = grpo.grpo_token_loss(logp, old, kl_logp, adv, clip_ratio=0.2, kl_coef=0.1)
     r = [math.exp(0.5), math.exp(-1.0), 1.0]
     want_pg = [max(-1.0 * r[0], -1.0 * 1.2), max(2.0 * r[1], 2.0 * 0.8), -0.5]
     want_kl = [0.0, math.exp(-0.5) + 0.5 - 1, math.exp(0.1) - 0.1 - 1]
@@ -62,14 +62,14 @@ def test_policy_equal_to_kl_model(agent, tokenizer, search_index):
     """On fresh rollouts with policy = KL model: ratio = 1, KL = 0, pg = -mean token advantage."""
     trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION, "Ada"], G=3, temperature=1.0,
                 generator=torch.Generator().manual_seed(0))
-    ids, valid, mask, old = GR.pad_batch(trajs, 0, "cpu")
+    ids, valid, mask, old = grpo.pad_batch(trajs, 0, "cpu")
     with torch.no_grad():
-        logp = GR.token_logprobs(agent, ids, valid, mask, 1.0)
+        logp = grpo.token_logprobs(agent, ids, valid, mask, 1.0)
     assert (logp - old[:, 1:][mask[:, 1:]]).abs().max() <= 1e-4
     policy = copy.deepcopy(agent)
     adv = [1.0, -1.0, 0.5, 0.0, 2.0, -0.5]
     opt = torch.optim.SGD(policy.parameters(), lr=0.001)
-    m = GR.grpo_step(policy, agent, opt, trajs, adv, micro_batch=4, clip_ratio=0.2, kl_coef=0.001,
+    m = grpo.grpo_step(policy, agent, opt, trajs, adv, micro_batch=4, clip_ratio=0.2, kl_coef=0.001,
                      entropy_coef=0.0, temperature=1.0, max_grad_norm=1.0, pad_id=0)
     lengths = [sum(t.loss_mask) for t in trajs]
     want_pg = -sum(a * n for a, n in zip(adv, lengths)) / sum(lengths)
@@ -83,13 +83,13 @@ def test_step_moves_toward_advantaged_samples(agent, tokenizer, search_index):
     policy = copy.deepcopy(agent)
     adv = [1.0, 1.0, 1.0, 1.0]
     opt = torch.optim.SGD(policy.parameters(), lr=0.001)
-    ids, valid, mask, _ = GR.pad_batch(trajs, 0, "cpu")
+    ids, valid, mask, _ = grpo.pad_batch(trajs, 0, "cpu")
     with torch.no_grad():
-        before = GR.token_logprobs(policy, ids, valid, mask, 1.0).sum()
-    GR.grpo_step(policy, agent, opt, trajs, adv, micro_batch=2, clip_ratio=0.2, kl_coef=0.001,
+        before = grpo.token_logprobs(policy, ids, valid, mask, 1.0).sum()
+    grpo.grpo_step(policy, agent, opt, trajs, adv, micro_batch=2, clip_ratio=0.2, kl_coef=0.001,
                  entropy_coef=0.0, temperature=1.0, max_grad_norm=1.0, pad_id=0)
     with torch.no_grad():
-        assert GR.token_logprobs(policy, ids, valid, mask, 1.0).sum() > before
+        assert grpo.token_logprobs(policy, ids, valid, mask, 1.0).sum() > before
 
 
 def test_kl_term_against_a_moved_kl_model(agent, tokenizer, search_index):
@@ -102,7 +102,7 @@ def test_kl_term_against_a_moved_kl_model(agent, tokenizer, search_index):
     with torch.no_grad():
         for p in moved.parameters():
             p.add_(0.03 * torch.randn(p.shape, generator=g))
-    ids, valid, mask, old = GR.pad_batch(trajs, 0, "cpu")
+    ids, valid, mask, old = grpo.pad_batch(trajs, 0, "cpu")
     pred = mask[:, 1:]
     with torch.no_grad():
         lp = [torch.log_softmax(m(ids, valid=valid)[:, :-1].double(), -1).gather(-1, ids[:, 1:, None])[..., 0][pred]
@@ -112,7 +112,7 @@ def test_kl_term_against_a_moved_kl_model(agent, tokenizer, search_index):
     assert want > 1e-3  # the KL model has really moved
     policy = copy.deepcopy(agent)
     opt = torch.optim.SGD(policy.parameters(), lr=0.0)
-    m = GR.grpo_step(policy, moved, opt, trajs, [0.0] * len(trajs), micro_batch=4, clip_ratio=0.2, kl_coef=0.5,
+    m = grpo.grpo_step(policy, moved, opt, trajs, [0.0] * len(trajs), micro_batch=4, clip_ratio=0.2, kl_coef=0.5,
                      entropy_coef=0.0, temperature=1.0, max_grad_norm=1.0, pad_id=0)
     assert abs(m["kl"] - want) <= 1e-5 * max(1.0, want)
     assert abs(m["loss"] - (m["pg"] + 0.5 * m["kl"])) <= 1e-6

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import lora
-import model as M
+from model import load, save
 
 
 def _randomize_b(model, seed=0):
@@ -20,7 +20,7 @@ IDS = torch.tensor([[5, 9, 13, 40, 77, 120, 3], [8, 8, 9, 200, 31, 2, 1]])
 @torch.no_grad()
 def test_fresh_adapter_is_identity(tiny_checkpoint):
     """Attaching an adapter (B = 0) leaves the logits unchanged exactly."""
-    model, _ = M.load(tiny_checkpoint)
+    model, _ = load(tiny_checkpoint)
     before = model(IDS)
     trainable = lora.attach(model, r=4, alpha=8)
     assert torch.equal(model(IDS), before)
@@ -32,7 +32,7 @@ def test_fresh_adapter_is_identity(tiny_checkpoint):
 @torch.no_grad()
 def test_disabled_adapter_is_base(tiny_checkpoint):
     """Inside lora.disabled the trained adapter has no effect; outside it does."""
-    model, _ = M.load(tiny_checkpoint)
+    model, _ = load(tiny_checkpoint)
     base = model(IDS)
     lora.attach(model, r=4, alpha=8)
     _randomize_b(model)
@@ -46,7 +46,7 @@ def test_disabled_adapter_is_base(tiny_checkpoint):
 @torch.no_grad()
 def test_merge_equals_adapter(tiny_checkpoint):
     """The merged model equals the adapted one (<= 1e-5) and is plain Qwen2 again."""
-    model, tok = M.load(tiny_checkpoint)
+    model, tok = load(tiny_checkpoint)
     lora.attach(model, r=4, alpha=8)
     _randomize_b(model)
     adapted = model(IDS)
@@ -57,20 +57,20 @@ def test_merge_equals_adapter(tiny_checkpoint):
 
 def test_save_refused_while_adapter_attached(tmp_path, tiny_checkpoint):
     """model.save refuses a model with an unmerged adapter."""
-    model, tok = M.load(tiny_checkpoint)
+    model, tok = load(tiny_checkpoint)
     lora.attach(model, r=8, alpha=16)
     with pytest.raises(ValueError, match="LoRA"):
-        M.save(model, tok, str(tmp_path / "x"))
+        save(model, tok, str(tmp_path / "x"))
 
 
 @torch.no_grad()
 def test_adapter_roundtrip(tmp_path, tiny_checkpoint):
     """save_adapter -> load_adapter on a fresh base reproduces the adapted logits exactly."""
-    model, _ = M.load(tiny_checkpoint)
+    model, _ = load(tiny_checkpoint)
     lora.attach(model, r=4, alpha=8, targets=("q_proj", "v_proj"))
     _randomize_b(model)
     lora.save_adapter(model, str(tmp_path / "ad"))
-    fresh, _ = M.load(tiny_checkpoint)
+    fresh, _ = load(tiny_checkpoint)
     lora.load_adapter(fresh, str(tmp_path / "ad"))
     assert torch.equal(fresh(IDS), model(IDS))
 
@@ -80,7 +80,7 @@ def test_peft_loads_our_adapter(tmp_path, tiny_checkpoint):
     """peft.PeftModel loads our saved adapter onto transformers' Qwen2 with the same logits."""
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
-    model, _ = M.load(tiny_checkpoint)
+    model, _ = load(tiny_checkpoint)
     lora.attach(model, r=4, alpha=16)
     _randomize_b(model)
     lora.save_adapter(model, str(tmp_path / "ad"))

@@ -7,7 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import model as M
+from generate import extend, generate, sample
+
+from model import load, save
 from conftest import random_model, tiny_config
 
 transformers = pytest.importorskip("transformers")
@@ -35,7 +37,7 @@ def test_logits_match_transformers(tmp_path, tokenizer, tied, heads, kv):
     cfg = tiny_config(num_attention_heads=heads, num_key_value_heads=kv, hidden_size=16 * heads,
                       tie_word_embeddings=tied)
     ours = random_model(cfg, seed=heads + kv)
-    M.save(ours, tokenizer, str(tmp_path / "m"))
+    save(ours, tokenizer, str(tmp_path / "m"))
     ref = hf_model(str(tmp_path / "m"))
     ids, mask, pos = padded_batch([9, 5, 1], cfg.vocab_size)
     with torch.no_grad():
@@ -49,7 +51,7 @@ def test_selected_hidden_states_equal_full_ones(tmp_path, tokenizer):
     """hidden(select=) returns transformers' last hidden states at the selected positions, <= 1e-4."""
     cfg = tiny_config(num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
     ours = random_model(cfg, seed=3)
-    M.save(ours, tokenizer, str(tmp_path / "m"))
+    save(ours, tokenizer, str(tmp_path / "m"))
     ref = hf_model(str(tmp_path / "m"))
     ids, mask, pos = padded_batch([9, 5, 7], cfg.vocab_size)
     select = mask.bool() & (torch.rand(mask.shape, generator=torch.Generator().manual_seed(1)) < 0.4)
@@ -69,7 +71,7 @@ def test_load_checkpoint_written_by_transformers(tmp_path, tokenizer):
     ref = transformers.Qwen2ForCausalLM(hcfg).eval()
     ref.save_pretrained(str(tmp_path))
     tokenizer.save(str(tmp_path / "tokenizer.json"))
-    ours, _ = M.load(str(tmp_path))
+    ours, _ = load(str(tmp_path))
     assert ours.config.rope_theta == 5000.0
     ids = torch.randint(0, 400, (2, 11))
     with torch.no_grad():
@@ -78,7 +80,7 @@ def test_load_checkpoint_written_by_transformers(tmp_path, tokenizer):
 
 def test_kv_cache_matches_full_forward(tiny_checkpoint):
     """Prefill + one-token steps through the KV cache give the full forward's logits."""
-    model, _ = M.load(tiny_checkpoint)
+    model, _ = load(tiny_checkpoint)
     ids = torch.randint(3, 400, (3, 20))
     with torch.no_grad():
         full = model(ids)
@@ -89,12 +91,12 @@ def test_kv_cache_matches_full_forward(tiny_checkpoint):
 
 def test_ragged_extend_matches_single_rows(tiny_checkpoint):
     """Right-padded ragged chunks appended to a cache equal each row run alone."""
-    model, _ = M.load(tiny_checkpoint)
+    model, _ = load(tiny_checkpoint)
     rows = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
     more = [[20, 21], [], [22, 23, 24, 25]]
     cache = model.new_cache(3, 20)
-    logits = M.extend(model, cache, rows)
-    logits = M.extend(model, cache, more, logits)
+    logits = extend(model, cache, rows)
+    logits = extend(model, cache, more, logits)
     for i in range(3):
         with torch.no_grad():
             alone = model(torch.tensor([rows[i] + more[i]]))[0, -1]
@@ -103,11 +105,11 @@ def test_ragged_extend_matches_single_rows(tiny_checkpoint):
 
 def test_greedy_generation_matches_transformers(tiny_checkpoint, tokenizer):
     """32 greedy tokens on a ragged batch equal transformers' generate, token for token."""
-    model, _ = M.load(tiny_checkpoint)
+    model, _ = load(tiny_checkpoint)
     ref = hf_model(tiny_checkpoint)
     prompts = [tokenizer.encode(tokenizer.chat_prompt(q)) for q in
                ["who founded Paris?", "which river", "Ada Lovelace was born in which year and where?"]]
-    ours, lps, reasons = M.generate(model, tokenizer, prompts, 32, stop_ids=[])
+    ours, lps, reasons = generate(model, tokenizer, prompts, 32, stop_ids=[])
     ids, mask, _ = padded_batch([len(p) for p in prompts], 400)
     for i, p in enumerate(prompts):
         ids[i, ids.shape[1] - len(p):] = torch.tensor(p)
@@ -119,10 +121,10 @@ def test_greedy_generation_matches_transformers(tiny_checkpoint, tokenizer):
 
 def test_sampled_logprobs_equal_full_forward(tiny_checkpoint, tokenizer):
     """The log-probability recorded for each sampled token equals a fresh forward's."""
-    model, _ = M.load(tiny_checkpoint)
+    model, _ = load(tiny_checkpoint)
     prompt = tokenizer.encode(tokenizer.chat_prompt("who was born in 1815?"))
     g = torch.Generator().manual_seed(3)
-    toks, lps, _ = M.generate(model, tokenizer, [prompt], 20, temperature=1.0, generator=g, stop_ids=[])
+    toks, lps, _ = generate(model, tokenizer, [prompt], 20, temperature=1.0, generator=g, stop_ids=[])
     with torch.no_grad():
         logp = torch.log_softmax(model(torch.tensor([prompt + toks[0]]))[0].float(), -1)
     want = logp[len(prompt) - 1:-1].gather(-1, torch.tensor(toks[0])[:, None])[:, 0]
@@ -131,34 +133,34 @@ def test_sampled_logprobs_equal_full_forward(tiny_checkpoint, tokenizer):
 
 def test_sampling_is_seeded(tiny_checkpoint, tokenizer):
     """The same generator seed gives the same samples; top-p < 1 still samples valid tokens."""
-    model, _ = M.load(tiny_checkpoint)
+    model, _ = load(tiny_checkpoint)
     p = [tokenizer.encode("the answer")]
-    runs = [M.generate(model, tokenizer, p * 2, 16, temperature=1.0, top_p=0.9,
+    runs = [generate(model, tokenizer, p * 2, 16, temperature=1.0, top_p=0.9,
                        generator=torch.Generator().manual_seed(7), stop_ids=[])[0] for _ in range(2)]
     assert runs[0] == runs[1]
 
 
 def test_stop_strings_and_ids(tiny_checkpoint, tokenizer):
     """A row stops once its text contains a stop string; other rows go on."""
-    model, _ = M.load(tiny_checkpoint)
+    model, _ = load(tiny_checkpoint)
     p = [tokenizer.encode("the answer")] * 4
-    free, _, _ = M.generate(model, tokenizer, p, 24, temperature=1.0,
+    free, _, _ = generate(model, tokenizer, p, 24, temperature=1.0,
                             generator=torch.Generator().manual_seed(1), stop_ids=[])
     text = tokenizer.decode(free[0])
     stop = text[len(text) // 2: len(text) // 2 + 2]  # a string this row is known to produce
-    toks, _, reasons = M.generate(model, tokenizer, p, 24, temperature=1.0,
+    toks, _, reasons = generate(model, tokenizer, p, 24, temperature=1.0,
                                   generator=torch.Generator().manual_seed(1), stop_ids=[],
                                   stop_strings=[stop])
     assert reasons[0] == "stop_string" and stop in tokenizer.decode(toks[0])
     assert stop not in tokenizer.decode(toks[0][:-1])
-    toks, _, reasons = M.generate(model, tokenizer, p, 24, temperature=1.0,
+    toks, _, reasons = generate(model, tokenizer, p, 24, temperature=1.0,
                                   generator=torch.Generator().manual_seed(1), stop_ids=[free[1][3]])
     assert reasons[1] == "stop_id" and len(toks[1]) <= 4
 
 
 def test_save_roundtrip_and_sharded_load(tmp_path, tiny_checkpoint):
     """save -> load is exact; the same tensors split over two shards with an index load too."""
-    model, tok = M.load(tiny_checkpoint)
+    model, tok = load(tiny_checkpoint)
     state = load_file(os.path.join(tiny_checkpoint, "model.safetensors"))
     names = sorted(state)
     shard_dir = tmp_path / "sharded"
@@ -171,7 +173,7 @@ def test_save_roundtrip_and_sharded_load(tmp_path, tiny_checkpoint):
     (shard_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (shard_dir / f).write_text(open(os.path.join(tiny_checkpoint, f)).read())
-    sharded, _ = M.load(str(shard_dir))
+    sharded, _ = load(str(shard_dir))
     ids = torch.randint(0, 400, (1, 9))
     with torch.no_grad():
         assert torch.equal(sharded(ids), model(ids))
@@ -179,7 +181,7 @@ def test_save_roundtrip_and_sharded_load(tmp_path, tiny_checkpoint):
 
 def test_bf16_stays_bf16(tiny_checkpoint):
     """Loading with dtype=bfloat16 gives bfloat16 parameters."""
-    model, _ = M.load(tiny_checkpoint, dtype=torch.bfloat16)
+    model, _ = load(tiny_checkpoint, dtype=torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
@@ -194,7 +196,7 @@ def test_sampler_draws_the_renormalised_nucleus(temperature, top_p):
     keep[order[(p[order].cumsum(0) - p[order]) < top_p]] = True  # the nucleus (top_p = 1: every token)
     want = torch.where(keep, p, 0.0) / p[keep].sum()
     n = 200_000
-    tok, logp = M.sample(logits.repeat(n, 1), temperature, top_p, torch.Generator().manual_seed(0))
+    tok, logp = sample(logits.repeat(n, 1), temperature, top_p, torch.Generator().manual_seed(0))
     freq = torch.bincount(tok, minlength=len(logits)).double() / n
     assert (freq[~keep] == 0).all()
     assert ((freq - want).abs() <= 5 * (want * (1 - want) / n).sqrt() + 1e-12).all(), (freq, want)

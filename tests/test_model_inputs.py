@@ -7,7 +7,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import model as M
+from generate import generate
+
+import model
+
+from tokenizer import QWEN2_CHAT_TEMPLATE, Tokenizer
 
 QWEN_CHAT = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
              "Who wrote Hamlet?<|im_end|>\n<|im_start|>assistant\n")
@@ -29,7 +33,7 @@ def test_encode_decode_roundtrip(tokenizer):
 @pytest.mark.skipif(not os.environ.get("QWEN_TOKENIZER"), reason="set QWEN_TOKENIZER to Qwen2.5's tokenizer.json")
 def test_real_qwen_tokenizer():
     """The real Qwen2.5 tokenizer: known ids, chat tokens, round trip."""
-    tok = M.Tokenizer(os.environ["QWEN_TOKENIZER"], chat_template=M.QWEN2_CHAT_TEMPLATE)
+    tok = Tokenizer(os.environ["QWEN_TOKENIZER"], chat_template=QWEN2_CHAT_TEMPLATE)
     assert tok.encode("Hello world") == [9707, 1879]
     assert tok.eos_ids == [151645, 151643]
     ids = tok.encode(QWEN_CHAT)
@@ -52,7 +56,7 @@ def test_bad_config_is_a_clear_error(tiny_checkpoint, change, message):
     """Missing or unsupported config fields fail with a message naming the field and file."""
     _edit(tiny_checkpoint, change)
     with pytest.raises(ValueError, match=message) as e:
-        M.load(tiny_checkpoint)
+        model.load(tiny_checkpoint)
     assert "config.json" in str(e.value)
 
 
@@ -63,7 +67,7 @@ def test_missing_tensor_is_named(tiny_checkpoint):
     del state["model.layers.1.mlp.up_proj.weight"]
     save_file(state, f)
     with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
-        M.load(tiny_checkpoint)
+        model.load(tiny_checkpoint)
 
 
 def test_wrong_shape_is_named(tiny_checkpoint):
@@ -73,7 +77,7 @@ def test_wrong_shape_is_named(tiny_checkpoint):
     state["model.layers.0.self_attn.k_proj.bias"] = torch.zeros(7)
     save_file(state, f)
     with pytest.raises(ValueError, match=r"k_proj.bias.*\(7,\).*\(32,\)") as e:
-        M.load(tiny_checkpoint)
+        model.load(tiny_checkpoint)
     assert "model.safetensors" in str(e.value)
 
 
@@ -84,14 +88,14 @@ def test_unexpected_tensor_is_named(tiny_checkpoint):
     state["model.layers.0.extra.weight"] = torch.zeros(3)
     save_file(state, f)
     with pytest.raises(ValueError, match="unexpected tensor 'model.layers.0.extra.weight'"):
-        M.load(tiny_checkpoint)
+        model.load(tiny_checkpoint)
 
 
 def test_missing_tokenizer_is_named(tiny_checkpoint):
     """No tokenizer.json: the error names the missing file."""
     os.remove(os.path.join(tiny_checkpoint, "tokenizer.json"))
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
-        M.load(tiny_checkpoint)
+        model.load(tiny_checkpoint)
 
 
 REAL = os.environ.get("QWEN_CHECKPOINT")
@@ -101,14 +105,14 @@ REAL = os.environ.get("QWEN_CHECKPOINT")
 def test_real_checkpoint_matches_transformers():
     """Qwen2.5 float32 logits equal transformers' (<= 1e-3) and 64 greedy tokens are identical."""
     transformers = pytest.importorskip("transformers")
-    ours, tok = M.load(REAL)
+    ours, tok = model.load(REAL)
     ref = transformers.Qwen2ForCausalLM.from_pretrained(REAL, dtype=torch.float32).eval()
     ids = tok.encode(tok.chat_prompt("Write a Python function that reverses a string."))
     with torch.no_grad():
         diff = (ours(torch.tensor([ids])) - ref(torch.tensor([ids])).logits).abs().max().item()
     print(f"real checkpoint max |logit diff| = {diff:.2e}")
     assert diff <= 1e-3
-    got, _, _ = M.generate(ours, tok, [ids], 64, stop_ids=[])
+    got, _, _ = generate(ours, tok, [ids], 64, stop_ids=[])
     want = ref.generate(torch.tensor([ids]), max_new_tokens=64, min_new_tokens=64, do_sample=False)
     assert got[0] == want[0, len(ids):].tolist()
     print(tok.decode(got[0]))

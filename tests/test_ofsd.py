@@ -6,16 +6,16 @@ import pytest
 import torch
 
 import lora
-import model as M
+from model import pad_right
 import ofsd
-import rollout as RO
+import rollout
 from conftest import AGENT_QUESTION, random_model, tiny_config
 from test_rollout import run
 
 
 def traj(policy, n_search=0, question="q"):
     """A hand-built trajectory: a 3-token prompt, then the given policy tokens."""
-    t = RO.Trajectory(question, 3)
+    t = rollout.Trajectory(question, 3)
     t.add([1, 2, 3], sampled=False)
     t.add(policy, sampled=True, logprobs=[0.0] * len(policy))
     t.queries = ["x"] * n_search
@@ -65,7 +65,7 @@ def test_conditioning_aligns_student_tokens(agent, tokenizer, search_index):
     assert s_ids == stu.tokens and [s_ids[p] for p in s_pos] == [t_ids[p] for p in t_pos]
     assert s_pos == [p for p, m in enumerate(stu.loss_mask) if m]
     teacher_prompt = tokenizer.decode(t_ids[:len(t_ids) - (len(stu.tokens) - stu.prompt_len)])
-    assert teacher_prompt == tokenizer.chat_prompt(RO.make_prompt(AGENT_QUESTION) + ofsd.PRIVILEGED.format(
+    assert teacher_prompt == tokenizer.chat_prompt(rollout.make_prompt(AGENT_QUESTION) + ofsd.PRIVILEGED.format(
         tau_ref=tokenizer.decode(ref.tokens[ref.prompt_len:])))
 
 
@@ -73,7 +73,7 @@ def test_gathered_hidden_states_predict_the_listed_positions():
     """_gather_hidden returns the full forward's states at p - 1 in listed order; unsorted lists are refused."""
     model = random_model(tiny_config(), seed=5)
     seqs, positions = [[5, 6, 7, 8, 9], [10, 11, 12]], [[2, 4], [1, 2]]
-    ids, valid = M.pad_right(seqs)
+    ids, valid = pad_right(seqs)
     with torch.no_grad():
         full = model.hidden(ids, valid=valid)  # (B, T, d)
         got = ofsd._gather_hidden(model, seqs, positions)
@@ -121,8 +121,8 @@ def test_round_lowers_kl_and_merges(agent, tokenizer, search_index):
 
     ofsd.lora.merge = spy_merge
     try:
-        out = ofsd.distill(model, tokenizer, pairs, lora_rank=4, lora_alpha=8, lr=5e-3, epochs=8,
-                           micro_batch=2, tau_clip=1.0, ofsd_clip="vocab", max_grad_norm=1.0, kl_chunk=256,
+        out = ofsd.distill(model, tokenizer, pairs, lora_rank=4, lora_alpha=8, lora_lr=5e-3, lora_epochs=8,
+                           ofsd_micro_batch=2, tau_clip=1.0, ofsd_clip="vocab", max_grad_norm=1.0, kl_chunk=256,
                            seed=0)
     finally:
         ofsd.lora.merge = original
@@ -145,7 +145,7 @@ def test_token_diagnostics_equal_a_full_forward(agent, tokenizer, search_index):
     trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION], G=2, temperature=1.3,
                 generator=torch.Generator().manual_seed(3))
     mined = [(trajs[0], trajs[1], True, ["Paris"])]
-    got = ofsd.token_diagnostics(agent, tokenizer, mined, chunk=7)
+    got = ofsd.token_diagnostics(agent, tokenizer, mined, kl_chunk=7)
     s_ids, t_ids, s_pos, t_pos = ofsd.pair_sequences(tokenizer, trajs[0], trajs[1])
     with torch.no_grad():
         ls = torch.log_softmax(agent(torch.tensor([s_ids]))[0].double(), -1)[[p - 1 for p in s_pos]]  # (n, V)
@@ -166,12 +166,11 @@ def test_round_reports_its_diagnostics(agent, tokenizer, search_index):
     model = copy.deepcopy(agent)
     questions = [{"question": AGENT_QUESTION, "golden_answers": ["Paris"]},
                  {"question": "which lake is near London", "golden_answers": ["Paris"]}]
-    m = ofsd.ofsd_round(model, tokenizer, search_index, questions, group_size=4, students="any", lora_rank=4,
-                        lora_alpha=8, lr=1e-3, epochs=1, micro_batch=2, tau_clip=0.05, ofsd_clip="vocab",
-                        max_grad_norm=1.0, kl_chunk=64, seed=0,
-                        log=None, rollout_args=dict(max_turns=2, max_turn_tokens=40, max_obs_tokens=400, top_k=3,
-                                                    temperature=1.0, top_p=1.0,
-                                                    generator=torch.Generator().manual_seed(0)))
+    m = ofsd.ofsd_round(model, tokenizer, search_index, questions, group_size=4, ofsd_students="any", lora_rank=4,
+                        lora_alpha=8, lora_lr=1e-3, lora_epochs=1, ofsd_micro_batch=2, tau_clip=0.05,
+                        ofsd_clip="vocab", max_grad_norm=1.0, kl_chunk=64, seed=0, log=None,
+                        rollout_args=dict(max_turns=2, max_turn_tokens=40, max_obs_tokens=400, top_k=3,
+                                          temperature=1.0, top_p=1.0), generator=torch.Generator().manual_seed(0))
     assert m["pairs"] >= 1
     for key in ("teacher_em", "student_em", "mined_em_before", "mined_em_after", "disagree"):
         assert 0.0 <= m[key] <= 1.0, key
@@ -179,17 +178,17 @@ def test_round_reports_its_diagnostics(agent, tokenizer, search_index):
 
 
 def test_round_with_incorrect_students_only(agent, tokenizer, search_index):
-    """students="incorrect" distils only pairs whose student sibling is incorrect."""
+    """ofsd_students="incorrect" distils only pairs whose student sibling is incorrect."""
     model = copy.deepcopy(agent)
     questions = [{"question": AGENT_QUESTION, "golden_answers": ["Paris"]},
                  {"question": "which lake is near London", "golden_answers": ["Paris"]}] * 2
-    args = dict(group_size=4, lora_rank=4, lora_alpha=8, lr=1e-3, epochs=1, micro_batch=2, tau_clip=0.05,
+    args = dict(group_size=4, lora_rank=4, lora_alpha=8, lora_lr=1e-3, lora_epochs=1, ofsd_micro_batch=2, tau_clip=0.05,
                 ofsd_clip="vocab", max_grad_norm=1.0, kl_chunk=64, seed=0, log=None)
     counts = {}
     for students in ("any", "incorrect"):
-        m = ofsd.ofsd_round(copy.deepcopy(model), tokenizer, search_index, questions, students=students,
+        m = ofsd.ofsd_round(copy.deepcopy(model), tokenizer, search_index, questions, ofsd_students=students,
                             rollout_args=dict(max_turns=2, max_turn_tokens=40, max_obs_tokens=400, top_k=3,
-                                              temperature=0.5, top_p=1.0, generator=torch.Generator().manual_seed(1)),
+                                              temperature=0.5, top_p=1.0), generator=torch.Generator().manual_seed(1),
                             **args)
         counts[students] = (m["pairs"], m["incorrect_students"])
     assert counts["incorrect"] == (counts["any"][1], counts["any"][1])
@@ -241,7 +240,7 @@ def test_pair_loss_teacher_is_the_base_model(agent, tokenizer, search_index, cli
 def test_pair_stats_report_the_true_kl(agent, tokenizer, search_index):
     """pair_stats: the loss, the unclipped KL, the clipped share and P(teacher's top), per pair then mean."""
     base, model, data = adapted_pairs(agent, tokenizer, search_index)
-    got = ofsd.pair_stats(model, data, 0.05, "position", micro_batch=2, chunk=5)
+    got = ofsd.pair_stats(model, data, 0.05, "position", ofsd_micro_batch=2, kl_chunk=5)
     ref = reference_positions(base, model, data, 0.05, "position")
     for key, want in (("kl", sum(l.mean() for l, _, _ in ref) / 2), ("kl_true", sum(k.mean() for _, k, _ in ref) / 2),
                       ("clip_frac", sum((k > 0.05).double().mean() for _, k, _ in ref) / 2),

@@ -8,14 +8,15 @@ import os
 import pytest
 import torch
 
-import grpo as GR
-import model as M
-import rollout as RO
+import grpo
+from model import load
+from tokenizer import Tokenizer
+from rollout import INVALID, make_prompt, rollout
 from conftest import AGENT_QUESTION, random_model, tiny_config
 from test_rollout import run
 
 QWEN25_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-MESSAGES = ["Who wrote Hamlet?", RO.make_prompt("who founded Paris"), "Ünïcode {braces} 'quotes' \\n <b>"]
+MESSAGES = ["Who wrote Hamlet?", make_prompt("who founded Paris"), "Ünïcode {braces} 'quotes' \\n <b>"]
 REAL = os.environ.get("QWEN_CHECKPOINT")
 
 
@@ -29,7 +30,7 @@ def transformers_render(folder, message):
 @pytest.mark.parametrize("message", MESSAGES)
 def test_saved_folder_renders_like_transformers(tiny_checkpoint, message):
     """A folder we save carries its chat template: transformers renders the same prompt as we do."""
-    _, tok = M.load(tiny_checkpoint)
+    _, tok = load(tiny_checkpoint)
     assert tok.chat_prompt(message) == transformers_render(tiny_checkpoint, message)
 
 
@@ -37,7 +38,7 @@ def test_saved_folder_renders_like_transformers(tiny_checkpoint, message):
 @pytest.mark.parametrize("message", MESSAGES)
 def test_real_checkpoint_renders_like_transformers(message):
     """The real Qwen2.5 folder's template: Qwen2.5's default system message, as transformers renders it."""
-    _, tok = M.load(REAL)
+    _, tok = load(REAL)
     assert tok.system == QWEN25_SYSTEM
     assert tok.chat_prompt(message) == transformers_render(REAL, message)
 
@@ -49,7 +50,7 @@ def test_template_it_cannot_render_names_the_file(tiny_checkpoint):
     cfg["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     json.dump(cfg, open(path, "w"))
     with pytest.raises(ValueError, match="tokenizer_config.json: chat_template is not a ChatML template"):
-        M.load(tiny_checkpoint)
+        load(tiny_checkpoint)
 
 
 def test_qwen25_template_system_message(tokenizer, tmp_path):
@@ -61,7 +62,7 @@ def test_qwen25_template_system_message(tokenizer, tmp_path):
                 + QWEN25_SYSTEM + "<|im_end|>\\n' }}{%- endif %}{%- endif %}{%- for message in messages %}"
                 "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
                 "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
-    tok = M.Tokenizer(tokenizer.path, chat_template=template)
+    tok = Tokenizer(tokenizer.path, chat_template=template)
     assert tok.chat_prompt("hi") == (f"<|im_start|>system\n{QWEN25_SYSTEM}<|im_end|>\n"
                                      "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
@@ -75,9 +76,9 @@ def eot_agent(tokenizer):
     torch.manual_seed(0)
     model = random_model(tiny_config(), seed=3)
     eot = tokenizer.tok.token_to_id("<|im_end|>")
-    prompt = tokenizer.encode(tokenizer.chat_prompt(RO.make_prompt(AGENT_QUESTION)))
+    prompt = tokenizer.encode(tokenizer.chat_prompt(make_prompt(AGENT_QUESTION)))
     turn1 = tokenizer.encode("<think> I know it. </think>") + [eot]
-    msg = tokenizer.encode(RO.INVALID)
+    msg = tokenizer.encode(INVALID)
     turn2 = tokenizer.encode("<answer> Paris </answer>")
     ids = torch.tensor([prompt + turn1 + msg + turn2])
     mask = torch.tensor([[0] * len(prompt) + [1] * len(turn1) + [0] * len(msg) + [1] * len(turn2)]).bool()
@@ -95,7 +96,7 @@ def test_end_of_turn_token_is_not_kept(eot_agent, tokenizer, search_index):
     """A turn ending on <|im_end|> leaves no end-of-turn id in tokens, mask or log-probs; the
     invalid-action message follows the turn's text directly."""
     (t,) = run(eot_agent, tokenizer, search_index, [AGENT_QUESTION], max_turns=2)
-    assert tokenizer.decode(t.tokens[t.prompt_len:]) == "<think> I know it. </think>" + RO.INVALID + \
+    assert tokenizer.decode(t.tokens[t.prompt_len:]) == "<think> I know it. </think>" + INVALID + \
         "<answer> Paris </answer>"
     assert not set(t.tokens[t.prompt_len:]) & set(tokenizer.eos_ids)
     assert len(t.tokens) == len(t.loss_mask) == len(t.logprobs) and t.answer == "Paris"
@@ -105,7 +106,7 @@ def test_cache_forgets_the_end_of_turn_token(eot_agent, tokenizer, search_index)
     """After the dropped token, recorded log-probs equal a fresh forward over the kept tokens."""
     trajs = run(eot_agent, tokenizer, search_index, [AGENT_QUESTION], G=3, max_turns=2, temperature=1.0,
                 generator=torch.Generator().manual_seed(0))
-    assert any(tokenizer.decode(t.tokens).count(RO.INVALID) for t in trajs)
+    assert any(tokenizer.decode(t.tokens).count(INVALID) for t in trajs)
     for t in trajs:
         with torch.no_grad():
             logp = torch.log_softmax(eot_agent(torch.tensor([t.tokens]))[0].float(), -1)  # (T, V)
@@ -117,8 +118,8 @@ def test_cache_forgets_the_end_of_turn_token(eot_agent, tokenizer, search_index)
 @pytest.mark.skipif(not REAL, reason="set QWEN_CHECKPOINT to a real Qwen2.5 folder")
 def test_real_checkpoint_responses_hold_no_end_of_turn_id(search_index):
     """Sampled rollouts of the real checkpoint: no end-of-turn id anywhere after the prompt."""
-    model, tok = M.load(REAL)
-    trajs = RO.rollout(model, tok, search_index, ["Who wrote Hamlet?", "What is the capital of France?"], 2,
+    model, tok = load(REAL)
+    trajs = rollout(model, tok, search_index, ["Who wrote Hamlet?", "What is the capital of France?"], 2,
                        max_turns=2, max_turn_tokens=24, max_obs_tokens=64, top_k=2, temperature=1.0,
                        top_p=1.0, generator=torch.Generator().manual_seed(0))
     for t in trajs:
@@ -132,7 +133,7 @@ def round_args(**kw):
     args = dict(steps=1, first_step=0, lr=0.5, warmup_steps=1, group_size=3, ppo_updates=2, micro_batch=8,
                 clip_ratio=1e-4, kl_coef=0.0, entropy_coef=0.0, max_grad_norm=100.0, log=lambda m: None,
                 rollout_args=dict(max_turns=2, max_turn_tokens=24, max_obs_tokens=64, top_k=3, temperature=1.0,
-                                  top_p=1.0, generator=torch.Generator().manual_seed(0)))
+                                  top_p=1.0), generator=torch.Generator().manual_seed(0))
     args.update(kw)
     return args
 
@@ -144,7 +145,7 @@ def test_second_mini_batch_sees_a_moved_policy(agent, tokenizer, search_index):
     questions = [{"question": AGENT_QUESTION, "golden_answers": ["Paris"]},
                  {"question": "which lake is near London", "golden_answers": ["Paris"]}]
     opt = torch.optim.SGD(policy.parameters(), lr=0.5)
-    (m,) = GR.grpo_round(policy, agent, opt, tokenizer, search_index, lambda: questions,
+    (m,) = grpo.grpo_round(policy, agent, opt, tokenizer, search_index, lambda: questions,
                          **round_args(entropy_coef=0.1))
     first, second = m["updates"]
     assert first["clip_frac"] == 0.0 and second["clip_frac"] > 0.0
@@ -159,7 +160,7 @@ def test_entropy_bonus_moves_the_loss(agent, tokenizer, search_index):
 
     def step(coef):
         policy = copy.deepcopy(agent)
-        return GR.grpo_step(policy, agent, torch.optim.SGD(policy.parameters(), lr=0.0), trajs, adv,
+        return grpo.grpo_step(policy, agent, torch.optim.SGD(policy.parameters(), lr=0.0), trajs, adv,
                             micro_batch=4, clip_ratio=0.2, kl_coef=0.001, entropy_coef=coef,
                             temperature=1.0, max_grad_norm=1.0, pad_id=0)
     plain, bonus = step(0.0), step(0.3)
@@ -172,7 +173,7 @@ def test_entropy_is_the_distributions():
     ids = torch.tensor([[5, 6, 7, 8]])
     valid, mask = torch.ones_like(ids).bool(), torch.tensor([[0, 1, 1, 0]]).bool()
     with torch.no_grad():
-        _, ent = GR.token_logprobs(model, ids, valid, mask, 0.7, entropy=True)
+        _, ent = grpo.token_logprobs(model, ids, valid, mask, 0.7, entropy=True)
         p = torch.softmax(model(ids)[0, :2].double() / 0.7, -1)  # positions 0, 1 predict tokens 1, 2
     assert torch.allclose(ent.double(), -(p * p.log()).sum(-1), atol=1e-5)
 
@@ -181,14 +182,14 @@ def test_entropy_is_the_distributions():
 def test_real_checkpoint_runs_the_whole_loop(tmp_path):
     """The real 0.5B checkpoint through evolve.py: 1 GRPO step (2 questions x 2 samples), an OFSD
     round, evaluations; the saved checkpoint gives transformers' logits. (The questions and corpus
-    are the toy world's: no registry package with real QA data was found; see the README.)"""
+    are the toy world's: no registry package with real QA data was found; see docs/benchmarks.md.)"""
     transformers = pytest.importorskip("transformers")
     import subprocess
     import sys
 
-    import toyagent as TA
+    import toyagent
     from test_evolve import ROOT
-    world, _ = TA.ensure(str(tmp_path / "w"), 0, 3, world_only=True)
+    world, _ = toyagent.ensure(str(tmp_path / "w"), 0, 3, world_only=True)
     out = tmp_path / "run"
     p = subprocess.run([sys.executable, "evolve.py", f"--model_dir={REAL}", f"--index_dir={world}/index",
                         f"--train_file={world}/train.jsonl", f"--test_file={world}/test.jsonl", "--test_limit=2",
@@ -200,9 +201,9 @@ def test_real_checkpoint_runs_the_whole_loop(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     print(p.stdout[-2500:])
     saved = str(out / "checkpoint" / "model")
-    ours, tok = M.load(saved)
+    ours, tok = load(saved)
     ref = transformers.Qwen2ForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
-    ids = torch.tensor([tok.encode(tok.chat_prompt(RO.make_prompt("Who wrote Hamlet?")))])
+    ids = torch.tensor([tok.encode(tok.chat_prompt(make_prompt("Who wrote Hamlet?")))])
     with torch.no_grad():
         assert (ours(ids) - ref(ids).logits).abs().max().item() <= 1e-3
 
@@ -211,12 +212,12 @@ def test_real_checkpoint_runs_the_whole_loop(tmp_path):
 def test_real_checkpoint_ofsd_lowers_the_pair_kl(search_index):
     """OFSD's LoRA distillation on the real checkpoint (one sibling pair of its own rollouts, the
     first as tau_ref): the clipped KL of the pair falls and the adapter merges."""
-    import ofsd as OF
-    model, tok = M.load(REAL)
-    trajs = RO.rollout(model, tok, search_index, ["Who wrote Hamlet?"], 2, max_turns=1, max_turn_tokens=32,
+    import ofsd
+    model, tok = load(REAL)
+    trajs = rollout(model, tok, search_index, ["Who wrote Hamlet?"], 2, max_turns=1, max_turn_tokens=32,
                        max_obs_tokens=64, top_k=2, temperature=1.0, top_p=1.0,
                        generator=torch.Generator().manual_seed(0))
-    m = OF.distill(model, tok, [(trajs[0], trajs[1], True)], lora_rank=8, lora_alpha=16, lr=1e-3, epochs=3,
-                   micro_batch=1, tau_clip=0.05, ofsd_clip="vocab", max_grad_norm=1.0, kl_chunk=64, seed=0)
+    m = ofsd.distill(model, tok, [(trajs[0], trajs[1], True)], lora_rank=8, lora_alpha=16, lora_lr=1e-3, lora_epochs=3,
+                   ofsd_micro_batch=1, tau_clip=0.05, ofsd_clip="vocab", max_grad_norm=1.0, kl_chunk=64, seed=0)
     print(m)
     assert m["kl_after"] < m["kl_before"] and not any("lora" in n for n, _ in model.named_parameters())

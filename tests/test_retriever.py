@@ -8,7 +8,11 @@ import random
 import numpy as np
 import pytest
 
-import retriever as R
+import analysis
+
+import index_build
+
+import retriever
 
 WORDS = [f"w{i}" for i in range(60)] + ["Paris", "paris", "Élodie", "river", "the", "of"]
 
@@ -29,12 +33,12 @@ def write_corpus(path, n=120, seed=0, title_text=False):
 
 def brute_force(docs, query, k1=0.9, b=0.4):
     """Lucene BM25 in float64, straight from the formula, for every document."""
-    toks = [R.analyze(f"{t} {x}") for t, x in docs]
+    toks = [analysis.analyze(f"{t} {x}") for t, x in docs]
     N, avgdl = len(toks), sum(map(len, toks)) / len(toks)
     out = []
     for d in toks:
         s = 0.0
-        for q in R.analyze(query):
+        for q in analysis.analyze(query):
             df = sum(q in t for t in toks)
             tf = d.count(q)
             if tf:
@@ -47,8 +51,8 @@ def brute_force(docs, query, k1=0.9, b=0.4):
 @pytest.fixture
 def small(tmp_path):
     docs = write_corpus(tmp_path / "c.jsonl")
-    R.build_index(str(tmp_path / "c.jsonl"), str(tmp_path / "idx"), chunk_docs=17)  # several runs
-    return docs, R.load_index(str(tmp_path / "idx"))
+    index_build.build_index(str(tmp_path / "c.jsonl"), str(tmp_path / "idx"), chunk_docs=17)  # several runs
+    return docs, retriever.load_index(str(tmp_path / "idx"))
 
 
 QUERIES = ["w1 w2 w3", "paris river", "Élodie w40 w40", "w7", "the of w55 w12 w3 w9"]
@@ -69,10 +73,10 @@ def test_scores_equal_brute_force(small):
 def test_title_text_lines_and_format_docs(tmp_path):
     """{"title","text"} lines index like "contents" lines; format_docs is Search-R1's block."""
     docs = write_corpus(tmp_path / "c.jsonl", n=30, title_text=True)
-    R.build_index(str(tmp_path / "c.jsonl"), str(tmp_path / "idx"))
-    index = R.load_index(str(tmp_path / "idx"))
+    index_build.build_index(str(tmp_path / "c.jsonl"), str(tmp_path / "idx"))
+    index = retriever.load_index(str(tmp_path / "idx"))
     assert index.doc(3) == docs[3]
-    assert R.format_docs([("A", "x y"), ("B", "z")]) == "Doc 1(Title: A) x y\nDoc 2(Title: B) z\n"
+    assert retriever.format_docs([("A", "x y"), ("B", "z")]) == "Doc 1(Title: A) x y\nDoc 2(Title: B) z\n"
 
 
 def test_stopword_and_unknown_queries_are_empty(small):
@@ -93,15 +97,15 @@ def test_ties_break_to_lower_index(tmp_path):
     with open(tmp_path / "c.jsonl", "w") as f:
         for i in range(6):
             f.write(json.dumps({"id": i, "contents": '"T"\nalpha beta' if i % 2 else '"U"\ngamma'}) + "\n")
-    R.build_index(str(tmp_path / "c.jsonl"), str(tmp_path / "idx"))
-    assert [i for i, _ in R.load_index(str(tmp_path / "idx")).search(["alpha"], 2)[0]] == [1, 3]
+    index_build.build_index(str(tmp_path / "c.jsonl"), str(tmp_path / "idx"))
+    assert [i for i, _ in retriever.load_index(str(tmp_path / "idx")).search(["alpha"], 2)[0]] == [1, 3]
 
 
 def test_empty_corpus_is_an_error(tmp_path):
     """An empty corpus fails naming the file and leaves no index behind."""
     (tmp_path / "c.jsonl").write_text("\n")
     with pytest.raises(ValueError, match="c.jsonl: the corpus has no documents"):
-        R.build_index(str(tmp_path / "c.jsonl"), str(tmp_path / "idx"))
+        index_build.build_index(str(tmp_path / "c.jsonl"), str(tmp_path / "idx"))
     assert not os.path.exists(tmp_path / "idx") and not os.path.exists(tmp_path / "idx.tmp")
 
 
@@ -111,7 +115,7 @@ def test_malformed_line_names_file_and_line(tmp_path):
     with open(tmp_path / "c.jsonl", "a") as f:
         f.write('{"id": "x", "contents": \n')
     with pytest.raises(ValueError, match=r"c.jsonl:6: malformed"):
-        R.build_index(str(tmp_path / "c.jsonl"), str(tmp_path / "idx"))
+        index_build.build_index(str(tmp_path / "c.jsonl"), str(tmp_path / "idx"))
 
 
 def test_duplicate_ids_are_an_error(tmp_path):
@@ -120,7 +124,7 @@ def test_duplicate_ids_are_an_error(tmp_path):
     with open(tmp_path / "c.jsonl", "a") as f:
         f.write(json.dumps({"id": "2", "contents": '"X"\ny'}) + "\n")
     with pytest.raises(ValueError, match=r"duplicate document id '2' \(documents 3 and 6"):
-        R.build_index(str(tmp_path / "c.jsonl"), str(tmp_path / "idx"))
+        index_build.build_index(str(tmp_path / "c.jsonl"), str(tmp_path / "idx"))
 
 
 @pytest.mark.parametrize("damage", ["meta", "truncate", "remove"])
@@ -138,7 +142,7 @@ def test_corrupt_index_is_a_clear_error(small, tmp_path, damage):
         os.remove(idx / "docs.bin")
         match = "docs.bin"
     with pytest.raises((ValueError, FileNotFoundError), match=match):
-        R.load_index(str(idx))
+        retriever.load_index(str(idx))
 
 
 def test_same_topk_as_bm25s(small):
@@ -146,9 +150,9 @@ def test_same_topk_as_bm25s(small):
     bm25s = pytest.importorskip("bm25s")
     docs, index = small
     ref = bm25s.BM25(method="lucene", k1=0.9, b=0.4)
-    ref.index([R.analyze(f"{t} {x}") for t, x in docs], show_progress=False)
+    ref.index([analysis.analyze(f"{t} {x}") for t, x in docs], show_progress=False)
     for q in QUERIES[:4]:
-        want, s = ref.retrieve([R.analyze(q)], k=10, show_progress=False, n_threads=1)
+        want, s = ref.retrieve([analysis.analyze(q)], k=10, show_progress=False, n_threads=1)
         got = index.search([q], 10)[0]
         n = sum(s[0] > 0)
         # bm25s omits Lucene's constant (k1 + 1) factor; compare scores and the ranked set
@@ -160,7 +164,7 @@ def test_pruned_topk_equals_brute_force_on_random_queries(small):
     """MaxScore pruning never changes the top-k: 200 random queries, k = 1, 3 and 10."""
     docs, index = small
     rng = random.Random(1)
-    vocab = [w.lower() for w in WORDS if w.lower() not in R.STOPWORDS] + ["title"]
+    vocab = [w.lower() for w in WORDS if w.lower() not in analysis.STOPWORDS] + ["title"]
     for n in range(200):
         q = " ".join(rng.choice(vocab[:12] if i % 2 else vocab) for i in range(rng.randint(1, 6)))
         want = brute_force(docs, q)
@@ -175,7 +179,7 @@ def test_workers_give_the_same_hits(small):
     """A batch split over 2 worker processes returns exactly one worker's hits, in order."""
     _, index = small
     rng = random.Random(2)
-    vocab = [w.lower() for w in WORDS if w.lower() not in R.STOPWORDS]
+    vocab = [w.lower() for w in WORDS if w.lower() not in analysis.STOPWORDS]
     queries = [" ".join(rng.choice(vocab) for _ in range(rng.randint(1, 5))) for _ in range(57)] + ["the", ""]
     want = index.search(queries, 3)
     assert index.search(queries, 3, workers=2) == want

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import rollout as RO
+from rollout import INVALID, extract_answer, make_prompt, observation, rollout
 from conftest import AGENT_QUESTION, random_model, tiny_config
 
 
@@ -11,7 +11,7 @@ def run(model, tok, index, questions, G=1, **kw):
     args = dict(max_turns=4, max_turn_tokens=40, max_obs_tokens=400, top_k=3, temperature=0.0,
                 top_p=1.0, generator=None)
     args.update(kw)
-    return RO.rollout(model, tok, index, questions, G, **args)
+    return rollout(model, tok, index, questions, G, **args)
 
 
 def segments(t):
@@ -26,10 +26,10 @@ def segments(t):
 
 def test_prompt_is_search_r1s():
     """The user message is Search-R1's instruction; '?' is appended when missing."""
-    p = RO.make_prompt("  who founded Paris ")
+    p = make_prompt("  who founded Paris ")
     assert p.startswith("Answer the given question. You must conduct reasoning inside <think>")
     assert p.endswith("<answer> Beijing </answer>. Question: who founded Paris?\n")
-    assert RO.make_prompt("why?").endswith("Question: why?\n")
+    assert make_prompt("why?").endswith("Question: why?\n")
 
 
 def test_trained_agent_searches_then_answers(agent, tokenizer, search_index):
@@ -52,10 +52,10 @@ def test_masks_split_model_text_from_environment(agent, tokenizer, search_index,
         for sampled, s, e in segments(t):
             if not sampled:
                 text = tokenizer.decode(t.tokens[s:e])
-                if text != RO.INVALID:
+                if text != INVALID:
                     hits = search_index.search([next(queries)], 3)[0]
-                    assert text == RO.observation([search_index.doc(i) for i, _ in hits])
-        assert tokenizer.decode(t.tokens[:t.prompt_len]) == tokenizer.chat_prompt(RO.make_prompt(AGENT_QUESTION))
+                    assert text == observation([search_index.doc(i) for i, _ in hits])
+        assert tokenizer.decode(t.tokens[:t.prompt_len]) == tokenizer.chat_prompt(make_prompt(AGENT_QUESTION))
 
 
 def test_logprobs_equal_full_forward(agent, tokenizer, search_index):
@@ -82,11 +82,11 @@ def test_batch_equals_rows_alone(agent, tokenizer, search_index):
             assert t.queries == alone.queries and t.answer == alone.answer
 
 
-def test_max_rows_decodes_in_batches_with_the_same_result(agent, tokenizer, search_index):
-    """max_rows=4 with G=2 decodes two questions at a time and returns the same trajectories, in order."""
+def test_rollout_rows_decodes_in_batches_with_the_same_result(agent, tokenizer, search_index):
+    """rollout_rows=4 with G=2 decodes two questions at a time and returns the same trajectories, in order."""
     qs = [AGENT_QUESTION, "Turing", "Paris 1815 river and the lake mountain"]
     whole = run(agent, tokenizer, search_index, qs, G=2)
-    parts = run(agent, tokenizer, search_index, qs, G=2, max_rows=4)
+    parts = run(agent, tokenizer, search_index, qs, G=2, rollout_rows=4)
     assert [(t.question, t.tokens, t.loss_mask) for t in parts] == [(t.question, t.tokens, t.loss_mask) for t in whole]
 
 
@@ -98,7 +98,7 @@ def test_turn_and_token_caps_hold(agent, tokenizer, search_index):
     for t in trajs:
         assert t.n_search <= 2 and t.n_turns <= 3
         for sampled, s, e in segments(t):
-            assert e - s <= (12 if sampled else max(20, len(tokenizer.encode(RO.INVALID))))
+            assert e - s <= (12 if sampled else max(20, len(tokenizer.encode(INVALID))))
 
 
 def test_invalid_actions_get_the_message(tokenizer, search_index):
@@ -108,12 +108,12 @@ def test_invalid_actions_get_the_message(tokenizer, search_index):
                 temperature=1.0, generator=torch.Generator().manual_seed(0))
     for t in trajs:
         env = [tokenizer.decode(t.tokens[s:e]) for m, s, e in segments(t) if not m]
-        assert env == [RO.INVALID] * 3 and t.n_turns == 4
+        assert env == [INVALID] * 3 and t.n_turns == 4
         assert t.stop == "final_turn_without_answer" and t.answer is None
 
 
 def test_answer_is_taken_from_model_text_only():
     """The answer is the last <answer> the model wrote, never the prompt's example."""
-    assert RO.extract_answer("<answer> a </answer> then <answer> b </answer>") == "b"
-    assert RO.extract_answer("no tags") is None
-    assert "<answer> Beijing </answer>" in RO.make_prompt("q")
+    assert extract_answer("<answer> a </answer> then <answer> b </answer>") == "b"
+    assert extract_answer("no tags") is None
+    assert "<answer> Beijing </answer>" in make_prompt("q")

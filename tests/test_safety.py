@@ -8,19 +8,20 @@ import sys
 import numpy as np
 import pytest
 
-import checkpoint as CK
-import eval as EV
-import model as M
-import retriever as R
+from checkpoint import RUN_MARKER, keep_first_lines
+from eval import read_questions
+from model import load, save
+from index_build import build_index
+from retriever import load_index
 from conftest import random_model, tiny_config
 from test_evolve import ROOT, evolve
 
 sys.path.insert(0, ROOT)
-import evolve as E  # noqa: E402
+from evolve import check_config, config_keys  # noqa: E402
 
 
 def good_config(**changes):
-    cfg = {k: getattr(E, k) for k in E.config_keys}
+    cfg = {k: getattr(sys.modules["evolve"], k) for k in config_keys}  # evolve.py's defaults
     cfg.update(changes)
     return cfg
 
@@ -42,7 +43,7 @@ def test_earlier_run_needs_overwrite_and_keeps_user_files(micro, tmp_path):
     """An earlier run's out_dir is refused without --overwrite=true; with it only the run's files go."""
     out = tmp_path / "run"
     out.mkdir()
-    (out / CK.RUN_MARKER).write_text("{}")
+    (out / RUN_MARKER).write_text("{}")
     (out / "metrics.jsonl").write_text('{"kind": "old"}\n')
     (out / "notes.txt").write_text("keep me")
     p = evolve(micro + [f"--out_dir={out}", "--iterations=0"])
@@ -79,7 +80,7 @@ def test_metrics_are_cut_back_to_the_checkpoint():
         path = os.path.join(d, "metrics.jsonl")
         with open(path, "w") as f:
             f.writelines(f'{{"step": {i}}}\n' for i in range(5))
-        CK.keep_first_lines(path, 3)
+        keep_first_lines(path, 3)
         assert [json.loads(x)["step"] for x in open(path)] == [0, 1, 2]
 
 
@@ -100,13 +101,13 @@ def test_metrics_are_cut_back_to_the_checkpoint():
 def test_bad_setting_is_named(change, named):
     """Each out-of-range setting is refused before anything is written, naming key and range."""
     with pytest.raises(SystemExit, match=None) as e:
-        E.check_config(good_config(**change))
+        check_config(good_config(**change))
     assert named in str(e.value)
 
 
 def test_defaults_pass_the_checks():
     """The shipped configuration passes check_config."""
-    E.check_config(good_config())
+    check_config(good_config())
 
 
 def test_trajectory_longer_than_the_context_is_refused(micro, tmp_path):
@@ -140,7 +141,7 @@ def test_bad_question_line_is_named(tmp_path, line, named):
     path = tmp_path / "q.jsonl"
     path.write_text('{"question": "fine", "golden_answers": ["a"]}\n' + line + "\n")
     with pytest.raises(ValueError, match=f"{path}:2") as e:
-        EV.read_questions(str(path))
+        read_questions(str(path))
     assert named in str(e.value)
 
 
@@ -149,7 +150,7 @@ def test_empty_question_file_is_named(tmp_path):
     path = tmp_path / "empty.jsonl"
     path.write_text("\n")
     with pytest.raises(ValueError, match=f"{path}: no questions"):
-        EV.read_questions(str(path))
+        read_questions(str(path))
 
 
 def test_eval_reads_every_file_first(tmp_path):
@@ -168,7 +169,7 @@ def test_eval_reads_every_file_first(tmp_path):
 @pytest.fixture
 def saved(tmp_path, tokenizer):
     path = str(tmp_path / "ckpt")
-    M.save(random_model(tiny_config()), tokenizer, path)
+    save(random_model(tiny_config()), tokenizer, path)
     return path
 
 
@@ -177,7 +178,7 @@ def test_config_that_is_not_json_is_named(saved):
     with open(os.path.join(saved, "config.json"), "w") as f:
         f.write("{not json")
     with pytest.raises(ValueError, match="config.json: not valid JSON"):
-        M.load(saved)
+        load(saved)
 
 
 def test_truncated_safetensors_is_named(saved):
@@ -186,7 +187,7 @@ def test_truncated_safetensors_is_named(saved):
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
     with pytest.raises(ValueError, match="model.safetensors: .*truncated or corrupt"):
-        M.load(saved)
+        load(saved)
 
 
 def test_other_architecture_is_refused(saved):
@@ -196,14 +197,14 @@ def test_other_architecture_is_refused(saved):
     cfg["architectures"] = ["MistralForCausalLM"]
     json.dump(cfg, open(cfg_path, "w"))
     with pytest.raises(ValueError, match="architectures is \\['MistralForCausalLM'\\]"):
-        M.load(saved)
+        load(saved)
 
 
 def test_save_refuses_a_folder_of_user_files(tmp_path, tokenizer):
     """model.save never replaces a folder that holds anything but checkpoint files."""
     (tmp_path / "notes.txt").write_text("keep me")
     with pytest.raises(ValueError, match="not a checkpoint's"):
-        M.save(random_model(tiny_config()), tokenizer, str(tmp_path))
+        save(random_model(tiny_config()), tokenizer, str(tmp_path))
     assert (tmp_path / "notes.txt").read_text() == "keep me"
 
 
@@ -227,7 +228,7 @@ def test_bad_corpus_line_is_named(tmp_path, bad, named):
     corpus = tmp_path / "c.jsonl"
     write_corpus(corpus, GOOD + [bad])
     with pytest.raises(ValueError, match=f"{corpus}:3") as e:
-        R.build_index(str(corpus), str(tmp_path / "idx"))
+        build_index(str(corpus), str(tmp_path / "idx"))
     assert named in str(e.value) and not (tmp_path / "idx").exists()
 
 
@@ -236,10 +237,10 @@ def test_empty_index_file_is_named(tmp_path, name):
     """A 0-byte meta.json or scores.npy is an error naming that file."""
     corpus = tmp_path / "c.jsonl"
     write_corpus(corpus, GOOD)
-    R.build_index(str(corpus), str(tmp_path / "idx"))
+    build_index(str(corpus), str(tmp_path / "idx"))
     open(tmp_path / "idx" / name, "w").close()
     with pytest.raises(ValueError, match=name):
-        R.load_index(str(tmp_path / "idx"))
+        load_index(str(tmp_path / "idx"))
 
 
 def test_build_refuses_a_folder_of_user_files(tmp_path):
@@ -250,7 +251,7 @@ def test_build_refuses_a_folder_of_user_files(tmp_path):
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
     with pytest.raises(ValueError, match="is not an index folder"):
-        R.build_index(str(corpus), str(mine))
+        build_index(str(corpus), str(mine))
     assert os.listdir(mine) == ["notes.txt"]
 
 
@@ -258,21 +259,21 @@ def test_rebuild_keeps_a_whole_index_at_every_instant(tmp_path, monkeypatch):
     """A rebuild killed between its renames leaves the old index whole at .old, which load names."""
     corpus, idx = tmp_path / "c.jsonl", str(tmp_path / "idx")
     write_corpus(corpus, GOOD)
-    R.build_index(str(corpus), idx)
+    build_index(str(corpus), idx)
     real_replace = os.replace
 
     def killed_after_first_rename(src, dst):
         real_replace(src, dst)
         if dst == idx + ".old":
             raise KeyboardInterrupt  # the kill
-    monkeypatch.setattr(R.os, "replace", killed_after_first_rename)
+    monkeypatch.setattr(os, "replace", killed_after_first_rename)
     with pytest.raises(KeyboardInterrupt):
-        R.build_index(str(corpus), idx)
-    monkeypatch.setattr(R.os, "replace", real_replace)
+        build_index(str(corpus), idx)
+    monkeypatch.setattr(os, "replace", real_replace)
     with pytest.raises(FileNotFoundError, match=r"previous index is whole at .*idx\.old"):
-        R.load_index(idx)
-    assert R.load_index(idx + ".old").search(["alpha"], 1)[0][0][0] == 0
-    assert R.load_index(idx + ".tmp").search(["gamma"], 1)[0][0][0] == 1  # the new one, whole too
-    R.build_index(str(corpus), idx)  # a rebuild recovers and cleans up
+        load_index(idx)
+    assert load_index(idx + ".old").search(["alpha"], 1)[0][0][0] == 0
+    assert load_index(idx + ".tmp").search(["gamma"], 1)[0][0][0] == 1  # the new one, whole too
+    build_index(str(corpus), idx)  # a rebuild recovers and cleans up
     assert sorted(p for p in os.listdir(tmp_path) if p.startswith("idx")) == ["idx"]
-    assert np.asarray(R.load_index(idx).scores).size > 0
+    assert np.asarray(load_index(idx).scores).size > 0
