@@ -169,7 +169,7 @@ def rollout(model, tokenizer, retriever, questions, group_size, *, max_turns, ma
         per_turn_env = max(max_obs_tokens, len(invalid_ids))
         max_len = max(map(len, prompts)) + (max_turns + 1) * (max_turn_tokens + 1) + max_turns * per_turn_env
 
-        cache = model.new_cache(len(prompts), max_len)
+        cache = generate.new_cache(model, len(prompts), max_len)
         logits = generate.extend(model, cache, prompts)  # (B, V) prefill once per question
         cache = cache.repeat_rows(G)  # (B*G rows)
         logits = logits.repeat_interleave(G, dim=0)  # (B*G, V)

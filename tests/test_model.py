@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from generate import extend, generate, sample
+from generate import extend, generate, new_cache, sample
 
 from model import load, save
 from conftest import random_model, tiny_config
@@ -84,7 +84,7 @@ def test_kv_cache_matches_full_forward(tiny_checkpoint):
     ids = torch.randint(3, 400, (3, 20))
     with torch.no_grad():
         full = model(ids)
-        cache = model.new_cache(3, 32)
+        cache = new_cache(model, 3, 32)
         steps = [model(ids[:, :7], cache)] + [model(ids[:, t:t + 1], cache) for t in range(7, 20)]
     assert (torch.cat(steps, 1) - full).abs().max() <= 1e-5
 
@@ -94,7 +94,7 @@ def test_ragged_extend_matches_single_rows(tiny_checkpoint):
     model, _ = load(tiny_checkpoint)
     rows = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
     more = [[20, 21], [], [22, 23, 24, 25]]
-    cache = model.new_cache(3, 20)
+    cache = new_cache(model, 3, 20)
     logits = extend(model, cache, rows)
     logits = extend(model, cache, more, logits)
     for i in range(3):
