@@ -107,6 +107,7 @@ class Index:
         self.vocab = {raw[vo[i]:vo[i + 1]].decode("utf-8"): i for i in range(meta["n_terms"])}
         self.n_docs = meta["n_docs"]
         self.index_dir = index_dir
+        self._pool, self._pool_size = None, 0  # search worker processes, started on first use
         self.analyzer = Analyzer(stem=meta["analysis"]["stemmer"] == "porter")  # the build's analysis
         self._acc = np.zeros(self.n_docs)  # float64 score accumulator, all-zero between queries
 
@@ -197,8 +198,8 @@ class Index:
         return [hits for part in pool.imap(_search_part, parts) for hits in part]
 
     def _workers(self, n):
-        if getattr(self, "_pool", None) is None or self._pool_size != n:
-            if getattr(self, "_pool", None) is not None:
+        if self._pool is None or self._pool_size != n:
+            if self._pool is not None:
                 self._pool.terminate()
             method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
             self._pool = multiprocessing.get_context(method).Pool(n, _start_worker, (self.index_dir,))
