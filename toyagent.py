@@ -39,15 +39,15 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from model import CHECKPOINT_FILES, Qwen2, Qwen2Config, load, pad_right, save
+from model import CHECKPOINT_FILES, Qwen2, Qwen2Config, pad_right, save
 
 from tokenizer import Tokenizer
 import index_build
 import retriever
-from rollout import INFO_CLOSE, INFO_OPEN, INSTRUCTION, INVALID, exact_match, make_prompt, observation, rollout
+from rollout import INFO_CLOSE, INFO_OPEN, INSTRUCTION, INVALID, make_prompt, observation
 from ofsd import PRIVILEGED
 from checkpoint import write_atomic
-from toyworld import TYPES, read_jsonl, stamped, write_world
+from toyworld import read_jsonl, stamped, write_world
 
 # backbone (tiny Qwen2) and its warm start
 BACKBONE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
@@ -333,36 +333,6 @@ def install_shipped(backbone):
             raise ValueError(f"{backbone}: holds files that are not a backbone's; nothing was changed")
         shutil.rmtree(backbone)
     os.replace(tmp, backbone)
-
-
-def backbone_stats(world_dir, *, group_size, temperature, max_turns, max_turn_tokens, max_obs_tokens, top_k, seed):
-    """The warm start's targets on the test split: greedy EM per type; the share of questions whose
-    group of `group_size` samples (at `temperature`) holds both a correct and an incorrect answer;
-    mean searches per question, greedy and sampled, against the minimum (one per hop); and the
-    searches of the correct samples against their minimum (the waste OFSD's tau_ref trajectories remove)."""
-    from eval import evaluate, summarize  # the project's greedy evaluation (eval.py imports nothing from here)
-    model, tok = load(os.path.join(world_dir, "backbone"))
-    index = retriever.load_index(os.path.join(world_dir, "index"))
-    test = read_jsonl(os.path.join(world_dir, "test.jsonl"))
-    args = dict(max_turns=max_turns, max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens, top_k=top_k)
-    greedy = summarize(evaluate(model, tok, index, test, batch=len(test), **args), "type")
-    trajs = rollout(model, tok, index, [q["question"] for q in test], group_size, temperature=temperature, top_p=1.0,
-                       generator=torch.Generator().manual_seed(seed), **args)
-    mixed, none_right, right = 0, 0, []  # right: (searches, hops) of each correct sample
-    for i, q in enumerate(test):
-        group = trajs[i * group_size:(i + 1) * group_size]
-        r = [exact_match(t.answer, q["golden_answers"]) for t in group]
-        mixed += len(set(r)) == 2
-        none_right += not any(r)
-        right += [(t.n_search, len(q["hops"])) for t, ok in zip(group, r) if ok]
-    out = {f"em_{k}": greedy[k]["em"] for k in TYPES}
-    out.update(em=greedy["all"]["em"], mixed_groups=mixed / len(test), all_wrong_groups=none_right / len(test),
-               searches=greedy["all"]["searches"],
-               sampled_searches=sum(t.n_search for t in trajs) / len(trajs),
-               min_searches=sum(len(q["hops"]) for q in test) / len(test),
-               correct_searches=sum(n for n, _ in right) / max(len(right), 1),  # right but wasteful:
-               correct_min_searches=sum(h for _, h in right) / max(len(right), 1))  # ... what OFSD trims
-    return out
 
 
 def main():
