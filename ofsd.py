@@ -93,6 +93,15 @@ def mine_pairs(trajs, rewards, group_size):
     return pairs
 
 
+def mine(trajs, questions, group_size, ofsd_students="any"):
+    """EM rewards, then (tau_ref, tau_stu, student_incorrect, gold answers) per question group with a
+    correct rollout; ofsd_students="incorrect" keeps only the pairs whose student is incorrect."""
+    golds = {q["question"]: q["golden_answers"] for q in questions}
+    return [(ref, stu, wrong, golds[stu.question])
+            for ref, stu, wrong in mine_pairs(trajs, em_rewards(trajs, questions, group_size), group_size)
+            if wrong or ofsd_students == "any"]
+
+
 # ----------------------------------------------------------------------------------------------
 # 2. conditioning
 
@@ -135,10 +144,7 @@ def ofsd_round(policy, tokenizer, index, questions, *, group_size, rollout_args,
     with torch.no_grad():
         trajs = rollout(policy, tokenizer, index, [q["question"] for q in questions], group_size, generator=generator,
                         **rollout_args)
-    golds = {q["question"]: q["golden_answers"] for q in questions}
-    mined = [(ref, stu, wrong, golds[stu.question])
-             for ref, stu, wrong in mine_pairs(trajs, em_rewards(trajs, questions, group_size), group_size)
-             if wrong or ofsd_students == "any"]
+    mined = mine(trajs, questions, group_size, ofsd_students)
     # every rank distills all ranks' pairs (the round is cheap; sharded weights are all-gathered
     # layer by layer, so every rank must run the same passes)
     mined = fsdp.all_ranks(mined)

