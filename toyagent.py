@@ -13,10 +13,14 @@ OFSD can fix: 40% of its multi-hop plans stop after the first hop (the greedy ba
 answers a bridge question with the bridge entity: the error GRPO finds and fixes first), it
 sometimes searches a vague query (a family name alone) and trusts the top document, and it
 sometimes checks again, repeating a search before answering correctly (right but wasteful).
-The warm start sorts each pool of examples by length before cutting it into batches (little
-padding) and runs the last layer's MLP only where there is a loss.
-The agent searches with the loop's `top_k`, which the backbone's stamp records: a world built
-for another top_k gets a new backbone.
+A fifth of the warm start's examples show a clean tau_ref in OFSD's teacher wording, which the
+agent follows; a reading phase after it shows, in half its examples, a tau_ref as OFSD mines it (a
+correct sample of the imperfect agent), which the agent follows move for move: OFSD's teacher view
+needs a model that reads a worked example, and a 3-layer model reads one unreliably after the
+warm start alone. Both phases sort each pool of examples by length before cutting it into
+batches (little padding) and run the last layer's MLP only where there is a loss. The agent
+searches with the loop's `top_k`, which the backbone's stamp records: a world built for another
+top_k gets a new backbone.
 
 Left out: natural-language variety (templates are fixed), a backbone for real-scale runs (use a
 Qwen2.5 checkpoint).
@@ -44,7 +48,7 @@ from model import CHECKPOINT_FILES, Qwen2, Qwen2Config, pad_right, save
 from tokenizer import Tokenizer
 import index_build
 import retriever
-from rollout import INFO_CLOSE, INFO_OPEN, INSTRUCTION, INVALID, make_prompt, observation
+from rollout import ANSWER, INFO_CLOSE, INFO_OPEN, INSTRUCTION, INVALID, exact_match, make_prompt, observation
 from ofsd import PRIVILEGED
 from checkpoint import write_atomic
 from toyworld import read_jsonl, stamped, write_world
@@ -52,7 +56,7 @@ from toyworld import read_jsonl, stamped, write_world
 # backbone (tiny Qwen2) and its warm start
 BACKBONE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=True)
-BACKBONE_VERSION = 4  # bump when the scripted agent or the warm start changes: cached backbones rebuild
+BACKBONE_VERSION = 5  # bump when the scripted agent or the warm start changes: cached backbones rebuild
 VOCAB_SIZE = 3000
 SFT_STEPS = 2400
 SFT_BATCH = 4
@@ -60,17 +64,22 @@ SFT_POOL = 1024  # examples sorted by length together (length-bucketed batches)
 SFT_LR = 2e-3
 COPY_WEIGHT = 5.0  # loss weight of agent tokens copied from the question or a document
 P_EARLY, P_VAGUE, P_REPEAT = 0.4, 0.2, 0.4  # the scripted agent's imperfections
-P_PRIVILEGED = 0.2  # share of warm-start examples that show a tau_ref trajectory (OFSD's teacher view)
+P_PRIVILEGED = 0.2  # share of warm-start examples that show a clean tau_ref trajectory (OFSD's teacher view)
+READ_STEPS = 800  # the reading phase, after the warm start: steps whose examples show a sampled tau_ref ...
+P_READ = 0.5  # ... in this share of them (the rest: the imperfect agent alone, so its view keeps its skills)
+READ_LR = 5e-4
+REF_TRIES = 8  # draws of the imperfect agent for a correct tau_ref (else the clean trajectory is shown)
 STAMP = "toyworld.json"  # in a backbone folder: the build's version, seed, steps and top_k (written last)
-# the backbone for world seed 0 (top_k 3), built by build_backbone and shipped, so every user starts
-# from the same weights (a build is deterministic on one machine, not across machines)
+# the backbone for world seed 0 (top_k 3), shipped so that every user starts from the same weights (a
+# build is deterministic on one machine, not across machines): version 4's shipped warm start, then
+# reading_phase on the project's 2-core machine (docs/toyworld-log.md, 2026-12-01)
 SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "toy_backbone")
 SHIPPED_SHA256 = {
     "config.json": "2b183ca0791fe937707c6911bae12a33b75b3a4cbb33fabe0b87db0e2d6bc86b",
-    "model.safetensors": "496d498404438955df45890f8cb177140394466a44bfbdb46ea1915e25d1b595",
+    "model.safetensors": "95d12cdcdab4e501ab7efd29545628254cf0ac0152adcc3f14939ef278270078",
     "tokenizer.json": "424ada53acaa8080f2d958bcfd7e07c272eb47dc24cd1d76ce909040939337bb",
     "tokenizer_config.json": "7b3dab91d4da24872e829154773a5502d91c7e9a96d6317c8130fbd689ed6bb6",
-    STAMP: "626a1aa8849b6e96e4fd1bc72fd67ca41e28dedab191dae372ff7377199cbf2b",
+    STAMP: "6b13223fcd862b2e7d2f5e0dbac4419d489bbb69522296d55237b1d33fb7c4f4",
 }
 
 
@@ -204,20 +213,31 @@ def _turn_tokens(tokenizer, turns, obs, context, template):
     return ids, weight
 
 
-def scripted_tokens(tokenizer, q, index, rng, top_k, privileged=False):
+def scripted_tokens(tokenizer, q, index, rng, top_k, reference=None):
     """Token ids and per-token loss weights of one scripted trajectory: 0 on the prompt and the
     observations; on the agent's own tokens 1, or COPY_WEIGHT where the agent copies a word from
     the question or a document (names, years): the skill a tiny model is slowest to pick up.
 
-    privileged=True: the prompt also shows a clean reference trajectory in OFSD's teacher
-    wording (ofsd.PRIVILEGED), and the agent follows it, so the backbone can read privileged
-    context the way an instruct model reads a worked example (OFSD's teacher relies on that)."""
+    reference="clean" or "sampled": the prompt also shows a reference trajectory in OFSD's teacher
+    wording (ofsd.PRIVILEGED), and the agent follows it move for move, so the backbone reads
+    privileged context the way an instruct model reads a worked example (OFSD's teacher relies on
+    that). "clean": the clean scripted trajectory;
+    "sampled": what OFSD's mining shows, a correct sample of the imperfect agent (drawn until one is
+    correct; vague, repeated or checked-again searches included), as a rollout records it (no
+    end-of-turn id)."""
     template = set(tokenizer.encode(TEMPLATE_TEXT)) | set(tokenizer.eos_ids)  # never weighted as copies
     context = set(tokenizer.encode(q["question"]))
     message = make_prompt(q["question"])
-    if privileged:
-        turns, obs = scripted_turns(q, index, rng, top_k, imperfect=False)
-        ref_ids, _ = _turn_tokens(tokenizer, turns, obs, set(), template)
+    if reference:
+        for _ in range(REF_TRIES if reference == "sampled" else 0):
+            turns, obs = scripted_turns(q, index, rng, top_k)
+            if exact_match(ANSWER.search(turns[-1]).group(1), q["golden_answers"]):
+                break
+        else:
+            turns, obs = scripted_turns(q, index, rng, top_k, imperfect=False)
+        ref_ids = _turn_tokens(tokenizer, turns, obs, set(), template)[0]
+        if reference == "sampled":  # as a rollout records it; the warm start's clean references keep
+            ref_ids = ref_ids[:-1]  # version 4's final <|im_end|>, so that phase builds version 4's weights
         message += PRIVILEGED.format(tau_ref=tokenizer.decode(ref_ids))
         context |= set(ref_ids)
     else:
@@ -230,24 +250,10 @@ def scripted_tokens(tokenizer, q, index, rng, top_k, privileged=False):
 # ----------------------------------------------------------------------------------------------
 # the backbone
 
-def build_backbone(world_dir, out_dir, seed, top_k, steps=SFT_STEPS):
-    """Train the tokenizer and warm-start the tiny Qwen2 on scripted trajectories; save it."""
-    torch.manual_seed(seed)
-    rng = random.Random(seed + 2)
-    index = retriever.load_index(os.path.join(world_dir, "index"))
-    train = read_jsonl(os.path.join(world_dir, "train.jsonl"))
-    corpus = [json.loads(line)["contents"] for line in open(os.path.join(world_dir, "corpus.jsonl"))]
-    texts = corpus + [INSTRUCTION, INVALID, INFO_OPEN + "Doc 1(Title: x) y" + INFO_CLOSE,
-                      TEMPLATE_TEXT] * 20
-    texts += [q["question"] for q in train]
-    tmp = out_dir.rstrip("/") + ".build"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    tok = Tokenizer.train(texts, VOCAB_SIZE, os.path.join(tmp, "tokenizer.json"))
-    data = [scripted_tokens(tok, train[i % len(train)], index, rng, top_k, privileged=rng.random() < P_PRIVILEGED)
-            for i in range(steps * SFT_BATCH)]  # a fresh trajectory for every example seen
-    # length-bucketed batches: each pool of SFT_POOL examples is sorted by length and cut into
-    # batches (little padding); the batches are then shuffled
+def _warm_start(model, data, steps, lr, rng, desc):
+    """`steps` AdamW steps of weighted cross-entropy on the agent's tokens, batches of SFT_BATCH from
+    `data`, warm-up then cosine. Length-bucketed batches: each pool of SFT_POOL examples is sorted by
+    length and cut into batches (little padding); the batches are then shuffled."""
     order = list(range(len(data)))
     rng.shuffle(order)
     batches = []
@@ -255,18 +261,12 @@ def build_backbone(world_dir, out_dir, seed, top_k, steps=SFT_STEPS):
         pool = sorted(order[p:p + SFT_POOL], key=lambda i: len(data[i][0]))
         batches += [pool[j:j + SFT_BATCH] for j in range(0, len(pool), SFT_BATCH)]
     rng.shuffle(batches)
-    model = Qwen2(Qwen2Config(vocab_size=VOCAB_SIZE, **BACKBONE))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.02)
-    opt = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.0, betas=(0.9, 0.98))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     model.train()
-    bar = tqdm(range(steps), desc="backbone warm start")
+    bar = tqdm(range(steps), desc=desc)
     for step in bar:
-        lr = SFT_LR * min(1.0, (step + 1) / 30) * 0.5 * (1 + math.cos(math.pi * step / steps))  # warm-up, cosine
         for g in opt.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * min(1.0, (step + 1) / 30) * 0.5 * (1 + math.cos(math.pi * step / steps))  # warm-up, cosine
         batch = [data[i] for i in batches[step]]
         ids, valid = pad_right([x for x, _ in batch])  # (B, T) each
         weight = torch.zeros(ids.shape)
@@ -283,8 +283,51 @@ def build_backbone(world_dir, out_dir, seed, top_k, steps=SFT_STEPS):
         opt.step()
         bar.set_postfix(loss=f"{loss.item():.3f}")
     model.eval()
+
+
+def reading_phase(model, tok, world_dir, seed, top_k, steps=READ_STEPS):
+    """The second phase of the warm start (`steps`): in P_READ of its examples the prompt shows a
+    sampled tau_ref, as OFSD's teacher view does, and the agent repeats its moves; the rest are the
+    imperfect agent alone, so the student view keeps its skills. After the first phase alone the
+    3-layer model reads a privileged context unreliably (single-hop questions answered right 1.00
+    without tau_ref, 0.61 with it). Seeded on its own, so it can run on any warm start."""
+    torch.manual_seed(seed + 1)
+    rng = random.Random(seed + 11)
+    index = retriever.load_index(os.path.join(world_dir, "index"))
+    train = read_jsonl(os.path.join(world_dir, "train.jsonl"))
+    data = [scripted_tokens(tok, train[rng.randrange(len(train))], index, rng, top_k,
+                            reference="sampled" if rng.random() < P_READ else None)
+            for _ in range(steps * SFT_BATCH)]
+    _warm_start(model, data, steps, READ_LR, rng, "backbone reading phase")
+
+
+def build_backbone(world_dir, out_dir, seed, top_k, steps=SFT_STEPS, read_steps=READ_STEPS):
+    """Train the tokenizer and the tiny Qwen2: the warm start on scripted trajectories (`steps`),
+    then the reading phase (`read_steps`); save it."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed + 2)
+    index = retriever.load_index(os.path.join(world_dir, "index"))
+    train = read_jsonl(os.path.join(world_dir, "train.jsonl"))
+    corpus = [json.loads(line)["contents"] for line in open(os.path.join(world_dir, "corpus.jsonl"))]
+    texts = corpus + [INSTRUCTION, INVALID, INFO_OPEN + "Doc 1(Title: x) y" + INFO_CLOSE,
+                      TEMPLATE_TEXT] * 20
+    texts += [q["question"] for q in train]
+    tmp = out_dir.rstrip("/") + ".build"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    tok = Tokenizer.train(texts, VOCAB_SIZE, os.path.join(tmp, "tokenizer.json"))
+    model = Qwen2(Qwen2Config(vocab_size=VOCAB_SIZE, **BACKBONE))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.02)
+    data = [scripted_tokens(tok, train[i % len(train)], index, rng, top_k,
+                            reference="clean" if rng.random() < P_PRIVILEGED else None)
+            for i in range(steps * SFT_BATCH)]  # a fresh trajectory for every example seen
+    _warm_start(model, data, steps, SFT_LR, rng, "backbone warm start")
+    reading_phase(model, tok, world_dir, seed, top_k, read_steps)
     save(model, tok, out_dir, also={STAMP})  # temp folder + rename
-    stamp = dict(version=BACKBONE_VERSION, seed=seed, steps=steps, top_k=top_k)
+    stamp = dict(version=BACKBONE_VERSION, seed=seed, steps=steps, read_steps=read_steps, top_k=top_k)
     write_atomic(os.path.join(out_dir, STAMP), json.dumps(stamp))  # written last: marks a finished build
     shutil.rmtree(tmp)
 
