@@ -10,6 +10,7 @@ import torch
 
 from eval import evaluate, summarize
 from model import load
+import ofsd
 import retriever
 import rollout
 import toyagent
@@ -100,10 +101,25 @@ def test_scripted_agent_follows_its_plan(world):
     assert early > 0
 
 
+def test_reading_example_repeats_a_correct_sampled_reference(world):
+    """reference="sampled" (the reading phase): the prompt shows a correct sample as a rollout records
+    it (no end-of-turn id) in OFSD's teacher wording, and the agent's turns repeat it exactly."""
+    _, tok = load(toyagent.SHIPPED)
+    index = retriever.load_index(os.path.join(world, "index"))
+    rng = random.Random(2)
+    header = ofsd.PRIVILEGED.split("{tau_ref}")[0]
+    for q in toyworld.read_jsonl(os.path.join(world, "train.jsonl"))[:30]:
+        ids, weight = toyagent.scripted_tokens(tok, q, index, rng, 3, reference="sampled")
+        first = next(i for i, w in enumerate(weight) if w > 0)  # the agent's first token
+        prompt, response = tok.decode(ids[:first]), tok.decode(ids[first:])
+        ref = prompt.split(header, 1)[1].rsplit("\n<|im_end|>", 1)[0]
+        assert response == ref + "<|im_end|>" and rollout.extract_answer(ref) in q["golden_answers"]
+
+
 def test_backbone_loads_with_transformers(world, tmp_path):
     """The backbone folder (a 2-step build) is a Qwen2 checkpoint transformers loads identically."""
     transformers = pytest.importorskip("transformers")
-    toyagent.build_backbone(world, str(tmp_path / "bb"), seed=0, top_k=3, steps=2)
+    toyagent.build_backbone(world, str(tmp_path / "bb"), seed=0, top_k=3, steps=2, read_steps=2)
     ours, tok = load(str(tmp_path / "bb"))
     ref = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path / "bb"), dtype=torch.float32).eval()
     ids = torch.tensor([tok.encode(tok.chat_prompt(rollout.make_prompt("Who founded Kavo Works?")))])
