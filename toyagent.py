@@ -48,7 +48,7 @@ from model import CHECKPOINT_FILES, Qwen2, Qwen2Config, pad_right, save
 from tokenizer import Tokenizer
 import index_build
 import retriever
-from rollout import ANSWER, INFO_CLOSE, INFO_OPEN, INSTRUCTION, INVALID, exact_match, make_prompt, observation
+from rollout import INFO_CLOSE, INFO_OPEN, INSTRUCTION, INVALID, exact_match, extract_answer, make_prompt, observation
 from ofsd import PRIVILEGED
 from checkpoint import write_atomic
 from toyworld import read_jsonl, stamped, write_world
@@ -231,7 +231,7 @@ def scripted_tokens(tokenizer, q, index, rng, top_k, reference=None):
     if reference:
         for _ in range(REF_TRIES if reference == "sampled" else 0):
             turns, obs = scripted_turns(q, index, rng, top_k)
-            if exact_match(ANSWER.search(turns[-1]).group(1), q["golden_answers"]):
+            if exact_match(extract_answer(turns[-1]), q["golden_answers"]):
                 break
         else:
             turns, obs = scripted_turns(q, index, rng, top_k, imperfect=False)
@@ -285,16 +285,13 @@ def _warm_start(model, data, steps, lr, rng, desc):
     model.eval()
 
 
-def reading_phase(model, tok, world_dir, seed, top_k, steps=READ_STEPS):
+def reading_phase(model, tok, index, train, seed, top_k, steps=READ_STEPS):
     """The second phase of the warm start (`steps`): in P_READ of its examples the prompt shows a
     sampled tau_ref, as OFSD's teacher view does, and the agent repeats its moves; the rest are the
     imperfect agent alone, so the student view keeps its skills. After the first phase alone the
     3-layer model reads a privileged context unreliably (single-hop questions answered right 1.00
     without tau_ref, 0.61 with it). Seeded on its own, so it can run on any warm start."""
-    torch.manual_seed(seed + 1)
     rng = random.Random(seed + 11)
-    index = retriever.load_index(os.path.join(world_dir, "index"))
-    train = read_jsonl(os.path.join(world_dir, "train.jsonl"))
     data = [scripted_tokens(tok, train[rng.randrange(len(train))], index, rng, top_k,
                             reference="sampled" if rng.random() < P_READ else None)
             for _ in range(steps * SFT_BATCH)]
@@ -325,7 +322,7 @@ def build_backbone(world_dir, out_dir, seed, top_k, steps=SFT_STEPS, read_steps=
                             reference="clean" if rng.random() < P_PRIVILEGED else None)
             for i in range(steps * SFT_BATCH)]  # a fresh trajectory for every example seen
     _warm_start(model, data, steps, SFT_LR, rng, "backbone warm start")
-    reading_phase(model, tok, world_dir, seed, top_k, read_steps)
+    reading_phase(model, tok, index, train, seed, top_k, read_steps)
     save(model, tok, out_dir, also={STAMP})  # temp folder + rename
     stamp = dict(version=BACKBONE_VERSION, seed=seed, steps=steps, read_steps=read_steps, top_k=top_k)
     write_atomic(os.path.join(out_dir, STAMP), json.dumps(stamp))  # written last: marks a finished build
