@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from model import load
@@ -133,3 +134,23 @@ def test_kl_model_is_refreshed_each_round(micro, killed_and_resumed, tmp_path):
     first = [r for r in map(json.loads, open(os.path.join(out, "metrics.jsonl")))
              if r["kind"] == "grpo_step" and r["step"] in (1, 3)]
     assert first[0]["kl"] == 0.0 and first[1]["kl"] > 0
+
+
+def test_ablation_fork_is_the_run_from_scratch(micro, killed_and_resumed, tmp_path):
+    """bench_ablation's fork: the GRPO-only first round, copied and resumed as an OFSD variant, writes
+    the records and weights of that variant's run from scratch."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import bench_ablation
+    full, _ = killed_and_resumed  # micro, 2 iterations, the default OFSD settings
+    first, forked = str(tmp_path / "first"), str(tmp_path / "forked")
+    assert evolve(micro + ["--ofsd=false", "--iterations=1", f"--out_dir={first}"]).returncode == 0
+    bench_ablation.fork(first, forked, micro)
+    p = evolve(micro + ["--iterations=2", f"--out_dir={forked}", "--resume"])
+    assert p.returncode == 0, p.stderr[-3000:]
+
+    def records(d):
+        return [{k: v for k, v in r.items() if k not in ("seconds", "state_bytes")}
+                for r in map(json.loads, open(os.path.join(d, "metrics.jsonl")))]
+    assert records(forked) == records(full)
+    wa, wb = weights(full), weights(forked)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
