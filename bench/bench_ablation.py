@@ -59,11 +59,12 @@ OFSD_ONLY = {"ofsd", "ofsd_questions", "ofsd_students", "lora_rank", "lora_alpha
              "ofsd_micro_batch", "tau_clip", "ofsd_clip", "kl_chunk"}
 
 
-def fork(src, dst, settings):
+def fork(src, dst, args):
     """Copy the run in `src` (its checkpoint after the first GRPO round) to `dst` and record the
-    variant's `settings` in the checkpoint's configuration, so that `evolve.py --resume` continues it
-    as the variant: exactly the run the variant makes from the start, since nothing before its
-    first OFSD round reads these settings (and a resume restores every random state)."""
+    settings of the variant's command line `args` in the checkpoint's configuration, so that
+    `evolve.py --resume` continues it as the variant: exactly the run the variant makes from the
+    start, since nothing before its first OFSD round reads OFSD_ONLY settings (and a resume restores
+    every random state)."""
     shutil.rmtree(dst, ignore_errors=True)
     shutil.copytree(src, dst)
     os.remove(os.path.join(dst, "results.md"))  # written when the variant's run ends
@@ -71,35 +72,36 @@ def fork(src, dst, settings):
     with open(state_file) as f:
         state = json.load(f)
     state["config"].update({k: getattr(evolve, k) for k in OFSD_ONLY})  # the defaults, then the variant's
-    state["config"].update(evolve.parse_overrides(settings))
+    state["config"].update(evolve.parse_overrides(args))
     with open(state_file, "w") as f:
         json.dump(state, f)
 
 
 def run_all(jobs, parallel, env):
-    """Run each job (at most `parallel` at once, each once its `after` job has finished) unless its
-    results exist already. A job is (command, out_dir, stamp, after, fork settings): with fork
-    settings it first copies `after`'s run into out_dir (fork) and its command resumes it. `stamp` is
-    the command whose results out_dir holds: a forked run's is the variant's own from-scratch command."""
-    def done(out, stamp):
+    """Run each job (at most `parallel` at once) unless its results exist already. A job is
+    (command, out_dir, after): after=None runs the command; else it waits for the job whose out_dir
+    is `after`, forks that run into out_dir and resumes it. Beside out_dir, OUT.cmd records the
+    command whose results out_dir holds (a forked run's: the variant's own from-scratch command)."""
+    def done(cmd, out):
         path = os.path.join(ROOT, out + ".cmd")
         return (os.path.isfile(os.path.join(ROOT, out, "results.md")) and os.path.isfile(path)
-                and open(path).read() == stamp)
+                and open(path).read() == " ".join(cmd))
 
-    pending = [j for j in jobs if not done(j[1], j[2])]
+    pending = [j for j in jobs if not done(*j[:2])]
     finished = {j[1] for j in jobs if j not in pending}
     running = []
     while pending or running:
-        for job in [j for j in pending if j[3] is None or j[3] in finished][:max(0, parallel - len(running))]:
-            cmd, out, stamp, after, settings = job
+        for job in [j for j in pending if j[2] is None or j[2] in finished][:max(0, parallel - len(running))]:
+            cmd, out, after = job
             pending.remove(job)
-            if settings is not None:
-                fork(os.path.join(ROOT, after), os.path.join(ROOT, out), settings)
+            with open(os.path.join(ROOT, out + ".cmd"), "w") as f:
+                f.write(" ".join(cmd))
+            if after is not None:
+                fork(os.path.join(ROOT, after), os.path.join(ROOT, out), cmd[2:])
+                cmd = cmd + ["--resume"]
             elif os.path.isdir(os.path.join(ROOT, out)):
                 cmd = cmd + ["--overwrite=true"]  # a killed run: redone
-            with open(os.path.join(ROOT, out + ".cmd"), "w") as f:
-                f.write(stamp)
-            log = open(os.path.join(ROOT, out + ".log"), "a" if settings is not None else "w")
+            log = open(os.path.join(ROOT, out + ".log"), "w")
             running.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), out))
         if not running:
             sys.exit("jobs wait for runs that never ran: " + ", ".join(j[1] for j in pending))
@@ -112,25 +114,21 @@ def run_all(jobs, parallel, env):
 
 
 def plan(variants, seeds, out, extra):
-    """The jobs of the table. Per seed, the first GRPO round runs once (OUT/first-seedS, GRPO only,
-    one iteration) when some variant differs from the baseline in OFSD_ONLY settings alone; the
-    baseline and those variants fork from it and resume; any other variant runs from scratch."""
+    """The jobs of the table (evolve.py commands, from scratch). Per seed, the first GRPO round runs
+    once (OUT/first-seedS, GRPO only, one iteration) when some variant differs from the baseline in
+    OFSD_ONLY settings alone; those variants fork from it; any other variant runs from scratch."""
+    shares = [all(a.removeprefix("--").partition("=")[0] in OFSD_ONLY for a in settings)
+              for _, settings in variants]  # `extra` goes to every run, the first one's too
     jobs = []
     for s in seeds:
         first = f"{out}/first-seed{s}"
-        shares = [all(a.removeprefix("--").partition("=")[0] in OFSD_ONLY for a in settings)
-                  for _, settings in variants]  # `extra` goes to every run, the first one's too
         if any(shares):
-            cmd = [sys.executable, "evolve.py", f"--seed={s}", f"--out_dir={first}", "--ofsd=false",
-                   "--iterations=1", *extra]
-            jobs.append((cmd, first, " ".join(cmd), None, None))
+            jobs.append(([sys.executable, "evolve.py", f"--seed={s}", f"--out_dir={first}", "--ofsd=false",
+                          "--iterations=1", *extra], first, None))
         for (name, settings), share in zip(variants, shares):
             run = f"{out}/{name}-seed{s}"
-            cmd = [sys.executable, "evolve.py", f"--seed={s}", f"--out_dir={run}", *settings, *extra]
-            if share:
-                jobs.append((cmd + ["--resume"], run, " ".join(cmd), first, settings + extra))
-            else:
-                jobs.append((cmd, run, " ".join(cmd), None, None))
+            jobs.append(([sys.executable, "evolve.py", f"--seed={s}", f"--out_dir={run}", *settings, *extra],
+                         run, first if share else None))
     return jobs
 
 
