@@ -153,7 +153,7 @@ def main():
     checkpoint.barrier()
     # float32 weights; sharded over the ranks (fsdp.py) with compute in dt when distributed or dt is
     # not float32 (mixed precision: float32 master weights and AdamW state, bfloat16 compute)
-    policy, tokenizer = load(checkpoint.recover(ckpt_dir, rank) if resume else start_model, dev, torch.float32)
+    policy = load(checkpoint.recover(ckpt_dir, rank) if resume else start_model, dev, torch.float32)[0]  # tokenizer above
     kl_model = load(start_model, dev, torch.float32)[0]  # kl_policy "round": the policy's copy each round
     if dist.is_initialized():
         fsdp.shard(policy, dt)
@@ -346,8 +346,11 @@ def ofsd_line(row, m):
                  f"{m['kl_true_after']:.4f} | clipped {m['clip_frac_before']:.2f} | P(top) {m['p_top_before']:.3f}"
                  f" -> {m['p_top_after']:.3f}")
     if "teacher_em" in m:  # the diagnostics: headroom (teacher vs student view) and effect on its questions
-        line += (f" | teacher EM {m['teacher_em']:.3f} student EM {m['student_em']:.3f} | disagree "
-                 f"{m['disagree']:.3f} | mined EM {m['mined_em_before']:.3f} -> {m['mined_em_after']:.3f}")
+        line += f" | teacher EM {m['teacher_em']:.3f} student EM {m['student_em']:.3f}"
+        if m["teacher_em_incorrect"] is not None:  # the pairs distillation is meant for
+            line += (f" (incorrect students: {m['teacher_em_incorrect']:.3f} / "
+                     f"{m['mined_em_before_incorrect']:.3f})")
+        line += f" | disagree {m['disagree']:.3f} | mined EM {m['mined_em_before']:.3f} -> {m['mined_em_after']:.3f}"
     return line
 
 

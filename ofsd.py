@@ -212,12 +212,13 @@ def token_diagnostics(model, tokenizer, mined, kl_chunk):
 
 
 def mined_diagnostics(policy, tokenizer, index, mined, rollout_args, kl_chunk):
-    """Before the round: greedy EM from the teacher and the student views (the headroom to distil),
+    """Before the round: greedy EM from the teacher and the student views (the headroom to distil;
+    the teacher's also split by whether the pair's student was incorrect, as mined_em_before is),
     the teacher/student disagreement and true KL by segment."""
     student = greedy_em(policy, tokenizer, index, mined, rollout_args)
     teacher = greedy_em(policy, tokenizer, index, mined, rollout_args, teacher_view=True)
-    out = dict(teacher_em=sum(teacher) / len(teacher), student_em=sum(student) / len(student))
-    out.update(split_em("mined_em_before", student, mined))
+    out = split_em("teacher_em", teacher, mined)  # overall, and split by whether the student was incorrect
+    out.update(student_em=sum(student) / len(student), **split_em("mined_em_before", student, mined))
     out.update(token_diagnostics(policy, tokenizer, mined, kl_chunk))
     return out
 

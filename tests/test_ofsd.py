@@ -175,6 +175,9 @@ def test_round_reports_its_diagnostics(agent, tokenizer, search_index):
     for key in ("teacher_em", "student_em", "mined_em_before", "mined_em_after", "disagree"):
         assert 0.0 <= m[key] <= 1.0, key
     assert m["student_em"] == m["mined_em_before"]
+    n_wrong = m["incorrect_students"]  # the teacher's split weighs its two halves back to its mean
+    halves = [(m["teacher_em_incorrect"], n_wrong), (m["teacher_em_correct"], m["pairs"] - n_wrong)]
+    assert abs(sum(e * n for e, n in halves if e is not None) / m["pairs"] - m["teacher_em"]) < 1e-9
 
 
 def test_round_with_incorrect_students_only(agent, tokenizer, search_index):
