@@ -2,7 +2,8 @@
 
 For one loss position with student logits z and teacher logits z_t over the vocabulary v
 (Ps = softmax(z), Pt = softmax(z_t); the teacher carries no gradient), the per-term KL is
-    f(v) = Pt(v) log(Pt(v) / Ps(v)),        KL = sum_v f(v)
+    f(v) = Pt(v) log(Pt(v) / Ps(v)),        KL = sum_v f(v)      (f(v) = 0 where Pt(v) = 0: 0 log 0 = 0,
+                                                                 so a -inf teacher logit is no NaN)
 and `clip` picks how tau_clip caps it:
     "vocab"     l = sum_v min(f(v), tau_clip)      each (position, vocabulary) term (the paper's formula)
     "position"  l = min(KL, tau_clip)              each position's KL
@@ -55,7 +56,8 @@ def clipped_forward_kl_spec(student_logits, teacher_logits, tau_clip, clip="voca
     dt = torch.promote_types(student_logits.dtype, torch.float32)  # float32, or float64 if given
     log_ps = torch.log_softmax(student_logits.to(dt), -1)
     log_pt = torch.log_softmax(teacher_logits.detach().to(dt), -1)
-    terms = torch.where(log_pt > -float("inf"), log_pt.exp() * (log_pt - log_ps), 0.0)  # (N, V) f(v)
+    pt = log_pt.exp()
+    terms = torch.where(pt > 0, pt * (log_pt - log_ps), 0.0)  # (N, V) f(v); Pt(v) = 0 -> 0 (0 log 0 = 0)
     if clip == "vocab":
         return terms.clamp(max=tau_clip).sum(-1).mean()
     kl = terms.sum(-1)  # (N,)
@@ -74,7 +76,7 @@ def _loss_and_grad_torch(zs, zt, tau_clip, clip, row_scale, out):
         log_ps = torch.log_softmax(zs[c:c + CPU_ROWS].float(), -1)  # (C, V)
         log_pt = torch.log_softmax(zt[c:c + CPU_ROWS].float(), -1)
         pt = log_pt.exp()
-        f = log_pt.sub_(log_ps).mul_(pt)  # (C, V) the per-term KL f(v)
+        f = log_pt.sub_(log_ps).mul_(pt).masked_fill_(pt == 0, 0.0)  # (C, V) f(v); Pt(v) = 0 -> 0, not 0 * inf
         scale = row_scale[c:c + CPU_ROWS, None].float()  # (C, 1)
         if clip == "vocab":
             pt.mul_(f <= tau_clip)  # m(v) Pt(v)
@@ -99,7 +101,7 @@ if triton is not None:
         log_ps = s - lse_s
         log_pt = t - lse_t
         pt = tl.exp(log_pt)
-        return msk, log_ps, pt, pt * (log_pt - log_ps)
+        return msk, log_ps, pt, tl.where(pt > 0, pt * (log_pt - log_ps), 0.0)  # Pt(v) = 0 -> 0 (0 log 0 = 0)
 
     @triton.jit
     def _clipped_kl_kernel(S_ptr, T_ptr, LOSS_ptr, GRAD_ptr, SCALE_ptr, stride_s, stride_t, stride_g,
@@ -169,6 +171,9 @@ def loss_and_grad(zs, zt, tau_clip, clip, row_scale, out, use_triton=None):
     check_clip(clip)
     if use_triton is None:
         use_triton = zs.is_cuda and triton is not None
+    if use_triton and triton is None:
+        raise RuntimeError("use_triton=True, but Triton is not installed (requirements.txt installs it on "
+                           "Linux x86-64 only): pass use_triton=None for the PyTorch path")
     if zs.stride(-1) != 1 or zt.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("loss_and_grad needs rows with unit stride (call .contiguous())")
     return (_loss_and_grad_triton if use_triton else _loss_and_grad_torch)(zs, zt, tau_clip, clip, row_scale, out)
@@ -203,13 +208,13 @@ class FusedLinearClippedKL(torch.autograd.Function):
     """sum_r w_r * loss(h_t[r] W^T || h_s[r] W^T) without ever holding the (N, V) logits."""
 
     @staticmethod
-    def forward(ctx, h_student, h_teacher, weight, row_weight, tau_clip, clip, chunk):
+    def forward(ctx, h_student, h_teacher, weight, row_weight, tau_clip, clip, chunk, use_triton):
         grad_h = torch.empty_like(h_student)
         total = torch.zeros((), device=h_student.device)
         for c in range(0, h_student.shape[0], chunk):
             zs = F.linear(h_student[c:c + chunk], weight)  # (C, V)
             zt = F.linear(h_teacher[c:c + chunk], weight)  # (C, V)
-            rows = loss_and_grad(zs, zt, tau_clip, clip, row_weight[c:c + chunk], out=zs)  # zs <- dL/dzs
+            rows = loss_and_grad(zs, zt, tau_clip, clip, row_weight[c:c + chunk], zs, use_triton)  # zs <- dL/dzs
             total += (rows * row_weight[c:c + chunk]).sum()
             grad_h[c:c + chunk] = zs @ weight  # (C, d)
         ctx.save_for_backward(grad_h)
@@ -218,16 +223,18 @@ class FusedLinearClippedKL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         (grad_h,) = ctx.saved_tensors
-        return grad_h * grad_output.to(grad_h.dtype), None, None, None, None, None, None
+        return grad_h * grad_output.to(grad_h.dtype), None, None, None, None, None, None, None
 
 
-def fused_linear_clipped_kl(h_student, h_teacher, weight, tau_clip, clip="vocab", row_weight=None, chunk=256):
-    """The loss from hidden states (N, d) and the frozen LM head (V, d); mean over rows by default."""
+def fused_linear_clipped_kl(h_student, h_teacher, weight, tau_clip, clip="vocab", row_weight=None, chunk=256,
+                            use_triton=None):
+    """The loss from hidden states (N, d) and the frozen LM head (V, d); mean over rows by default.
+    use_triton: None = the kernel on CUDA, PyTorch off it (as loss_and_grad)."""
     N = h_student.shape[0]
     if row_weight is None:
         row_weight = torch.full((N,), 1.0 / N, device=h_student.device)
     return FusedLinearClippedKL.apply(h_student, h_teacher.detach(), weight.detach(), row_weight, tau_clip, clip,
-                                      chunk)
+                                      chunk, use_triton)
 
 
 @torch.no_grad()
@@ -236,11 +243,13 @@ def position_stats(h_student, h_teacher, weight, tau_clip, clip, chunk=256):
     loss (the clipped value), kl (the true, unclipped forward KL), clipped (the clip changed this
     position's loss), p_top (the student's probability of the teacher's most likely token),
     teacher_top (that token)."""
+    check_clip(clip)
     out = {k: [] for k in ("loss", "kl", "clipped", "p_top", "teacher_top")}
     for c in range(0, h_student.shape[0], chunk):
         log_ps = torch.log_softmax(F.linear(h_student[c:c + chunk], weight).float(), -1)  # (C, V)
         log_pt = torch.log_softmax(F.linear(h_teacher[c:c + chunk], weight).float(), -1)
-        f = torch.where(log_pt > -float("inf"), log_pt.exp() * (log_pt - log_ps), 0.0)  # (C, V)
+        pt = log_pt.exp()
+        f = torch.where(pt > 0, pt * (log_pt - log_ps), 0.0)  # (C, V), the same rule as every loss path
         kl = f.sum(-1)  # (C,)
         if clip == "vocab":
             loss, clipped = f.clamp(max=tau_clip).sum(-1), (f > tau_clip).any(-1)

@@ -16,10 +16,9 @@ import json
 import os
 import sys
 
-import torch
-
 from checkpoint import write_atomic
-from model import load
+from fsdp import device_and_dtype
+from model import Qwen2Config, load
 from retriever import load_index
 from rollout import SEARCH_R1_SETTINGS, exact_match, rollout
 
@@ -76,7 +75,7 @@ def curves_svg(series):
                 se.append(row["summary"]["all"]["searches"])
         points[name] = sorted((x, em, se) for x, (em, se) in by_x.items())
     n_x = 1 + max(x for pts in points.values() for x, _, _ in pts)
-    w, h, left, top, gap = 420, 240, 48, 28, 70  # one panel's plot area, margins
+    w, h, left, top, gap, right = 420, 240, 48, 28, 70, 40  # one panel's plot area, margins
 
     def xs(x):
         return left + w * x / max(n_x - 1, 1)
@@ -84,7 +83,7 @@ def curves_svg(series):
     def fmt(ps):
         return " ".join(f"{a:.1f},{b:.1f}" for a, b in ps)
 
-    width, height = 2 * (left + w) + gap, top + h + 60 + 18 * len(series)
+    width, height = 2 * (left + w) + gap + right, top + h + 60 + 18 * len(series)  # right: the last x label's half
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
            'font-size="12">', '<rect width="100%" height="100%" fill="white"/>']
     for panel, (title, k) in enumerate((("test exact match", 1), ("searches per question", 2))):
@@ -114,8 +113,8 @@ def curves_svg(series):
     for c, (name, runs) in enumerate(series.items()):  # legend
         y = top + h + 40 + 18 * c
         out.append(f'<rect x="{left}" y="{y - 9}" width="14" height="10" fill="{COLORS[c % len(COLORS)]}"/>'
-                   f'<text x="{left + 20}" y="{y}">{name}: {len(runs)} run{"s" * (len(runs) > 1)} (line: mean; '
-                   'band: lowest to highest run)</text>')
+                   f'<text x="{left + 20}" y="{y}">{name}: ' + (f'{len(runs)} runs (line: mean; band: lowest to '
+                   'highest run)' if len(runs) > 1 else '1 run') + '</text>')
     return "\n".join(out + ["</svg>"]) + "\n"
 
 
@@ -159,11 +158,15 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     for key, value in SEARCH_R1_SETTINGS.items():  # the anchor's protocol settings by default
         ap.add_argument("--" + key.replace("_", "-"), type=int, default=value)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
+    ap.add_argument("--device", default="auto", help="auto (CUDA when there is one), cpu, cuda, cuda:N")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="auto: bfloat16 on CUDA, and for a real checkpoint on a CPU with native bfloat16")
     args = ap.parse_args()
     data = {path: read_questions(path, args.limit) for path in args.data.split(",")}  # every file, first
-    model, tok = load(args.model, args.device, getattr(torch, args.dtype))
+    width = Qwen2Config.from_json(os.path.join(args.model, "config.json")).hidden_size
+    device, dtype = device_and_dtype(args.device, args.dtype, width)
+    print(f"{args.model}: {device}, {str(dtype).removeprefix('torch.')}", file=sys.stderr)
+    model, tok = load(args.model, device, dtype)
     index = load_index(args.index)
     table, everything = [], []
     for path, qs in data.items():

@@ -5,7 +5,7 @@
         GRPO round  (grpo.grpo_round): grpo_steps updates, each on fresh rollouts (G per question),
                     reward = exact match, PPO-clip loss + KL to the round's starting policy
         evaluate; checkpoint
-        OFSD round  (ofsd.ofsd_round, unless --ofsd=false): fresh rollouts of the updated policy ->
+        OFSD round  (ofsd.ofsd_round, unless --ofsd_rounds=false): fresh rollouts of the updated policy ->
                     one (tau_ref, tau_stu) pair per question -> LoRA distillation of the teacher
                     view (tau_ref as privileged context, adapter off) into the student view -> merge
         evaluate; checkpoint
@@ -18,7 +18,7 @@ overridden as --key=value; `--resume` continues a killed run from its last check
 Real-scale settings (the anchor's values) are in the comments and in docs/real-scale.md.
 
     python evolve.py                                   # the toy world, CPU, minutes
-    python evolve.py --ofsd=False --out_dir=runs/grpo  # the GRPO-only ablation
+    python evolve.py --ofsd_rounds=false --out_dir=runs/grpo   # the GRPO-only ablation
     torchrun --nproc_per_node=8 evolve.py --model_dir=... --index_dir=... --train_file=...
 
 Left out: vLLM-speed generation, tensor parallelism, CPU offload,
@@ -45,7 +45,7 @@ from ofsd import PRIVILEGED, ofsd_round
 import toyagent
 from clipped_kl import CLIPS
 from retriever import load_index
-from rollout import make_prompt
+from rollout import make_prompt, max_response_tokens
 
 # ---------------------------------------------------------------------------------------------
 # config: plain constants, overridable as --key=value            (real scale: the anchor's value)
@@ -84,7 +84,7 @@ search_workers = 1             # BM25 worker processes per rank for a turn's sea
                                #                                              (8+ at wiki-18 scale; docs/)
 rollout_rows = 0               # trajectories decoded at once per rank (bounds the KV cache); 0 = all
                                #                                              (64 at 3B/7B; docs/real-scale.md)
-ofsd = True                    # False: the GRPO-only ablation (same GRPO steps, no OFSD rounds)
+ofsd_rounds = True             # False: the GRPO-only ablation (same GRPO steps, no OFSD rounds)
 ofsd_questions = 64            # questions rolled out to mine pairs per OFSD round
 ofsd_students = "any"          # "any": the paper's rule (an incorrect sibling, else a correct one);
                                # "incorrect": only groups with an incorrect sibling give a pair
@@ -101,22 +101,26 @@ eval_batch = 64                # questions per greedy evaluation batch
 seed = 0                       # sampling, question order, LoRA initialisation
 world_seed = 0                 # the toy world (rewritten when world_dir holds another seed); seed
                                # 0's backbone is shipped, another seed's is built (~4.5 min)
-device = "auto"                # "auto": cuda if available, else cpu
+device = "auto"                # "auto": cuda:0 (cuda:LOCAL_RANK under torchrun) if available, else cpu
 dtype = "auto"                 # compute dtype; weights and AdamW state stay float32. "auto": bfloat16
-                               # on cuda (FSDP2 mixed precision), float32 on cpu
+                               # on cuda (FSDP2 mixed precision) and for a real checkpoint on a CPU
+                               # with native bfloat16 (AVX-512 BF16, AMX); float32 otherwise (the toy)
 activation_checkpointing = False  # recompute each decoder layer in backward: less memory, ~1/3
                                # more training compute                          (True at 3B/7B)
 resume = False                 # continue from out_dir/checkpoint (the same settings; see RESUME_MAY_CHANGE)
 overwrite = False              # a fresh run may replace an earlier run's files in out_dir (never others)
 # ---------------------------------------------------------------------------------------------
 config_keys = [k for k, v in list(globals().items()) if not k.startswith("_") and isinstance(v, (bool, int, float, str))]
+DEFAULTS = {k: globals()[k] for k in config_keys}  # as written above: main() rewrites the globals, not this
 
 
 def main():
     globals().update(parse_overrides(sys.argv[1:]))
     config = {k: globals()[k] for k in config_keys}
     check_config(config)  # every setting, before anything is written
-    rank, world_size, dev, dt = setup_device(device, dtype)
+    width = Qwen2Config.from_json(os.path.join(model_dir, "config.json")).hidden_size if model_dir else \
+        toyagent.BACKBONE["hidden_size"]  # decides "auto"'s dtype on CPU (fsdp.device_and_dtype)
+    rank, world_size, dev, dt = fsdp.setup(device, dtype, width)
     master = rank == 0
     ckpt_dir, metrics_path = os.path.join(out_dir, "checkpoint"), os.path.join(out_dir, "metrics.jsonl")
     if resume:
@@ -124,11 +128,7 @@ def main():
     else:
         checkpoint.check_run_dir(out_dir, overwrite)
     ppo_updates = questions_per_step // ppo_mini_batch
-    if questions_per_step % world_size or questions_per_step // world_size < ppo_updates or ofsd_questions < world_size:
-        raise SystemExit(f"--questions_per_step={questions_per_step} must be a multiple of the number of ranks "
-                         f"({world_size}) with at least one question per rank for each of its {ppo_updates} "
-                         f"updates, and --ofsd_questions={ofsd_questions} at least the number of ranks: every "
-                         "rank needs questions, and the same number of training passes")
+    check_ranks(config, world_size, ppo_updates)
     checkpoint.barrier()  # every rank has checked before any rank writes
 
     # -----------------------------------------------------------------------------------------
@@ -142,11 +142,11 @@ def main():
     train = read_questions(train_file or os.path.join(world_dir, "train.jsonl"))
     test = read_questions(test_file or os.path.join(world_dir, "test.jsonl"), test_limit)
     tokenizer = Tokenizer(os.path.join(start_model, "tokenizer.json"))
-    longest = max((q["question"] for q in train + test), key=len)
-    check_context(config, Qwen2Config.from_json(os.path.join(start_model, "config.json")),
-                  len(tokenizer.encode(tokenizer.chat_prompt(make_prompt(longest)))) + len(tokenizer.encode(PRIVILEGED)))
+    check_context(config, Qwen2Config.from_json(os.path.join(start_model, "config.json")), tokenizer,
+                  max((q["question"] for q in train + test), key=len))
     rng = random.Random(seed)  # question order, identical on every rank
-    gen = torch.Generator(device=dev).manual_seed(seed * 1000 + rank)  # rollout sampling, per rank
+    # rollout sampling, its own stream per rank: seed * 1000 + rank keeps seeds' streams apart up to 1,000 ranks
+    gen = torch.Generator(device=dev).manual_seed(seed * 1000 + rank)
     torch.manual_seed(seed)  # LoRA initialisation
     if not resume and master:
         checkpoint.claim_run_dir(out_dir)
@@ -186,7 +186,8 @@ def main():
 
     # -----------------------------------------------------------------------------------------
     # the rounds: start, then (GRPO, OFSD) per iteration; each is evaluated and checkpointed
-    schedule = [("start", 0)] + [(kind, it) for it in range(iterations) for kind in ("grpo", "ofsd")[:1 + ofsd]]
+    rounds = ("grpo", "ofsd") if ofsd_rounds else ("grpo",)
+    schedule = [("start", 0)] + [(kind, it) for it in range(iterations) for kind in rounds]
     for r in range(state["done"], len(schedule)):
         kind, it = schedule[r]
         t0, row = time.time(), dict(round=r, after=kind, iteration=it)
@@ -208,7 +209,7 @@ def main():
                 rollout_args=rollout_args, generator=gen, ofsd_students=ofsd_students, lora_rank=lora_rank,
                 lora_alpha=lora_alpha, lora_lr=lora_lr, lora_epochs=lora_epochs, ofsd_micro_batch=ofsd_micro_batch,
                 tau_clip=tau_clip, ofsd_clip=ofsd_clip, max_grad_norm=max_grad_norm, kl_chunk=kl_chunk,
-                seed=seed * 7919 + r,
+                lora_seed=seed * 7919 + r,  # per seed and round; the prime keeps (seed, round) pairs apart
                 log=lambda epoch, n, loss: record(
                     None, f"ofsd | it {it} | epoch {epoch} | step {n:4d} | loss {loss:.5f}"))
             row.update({k: v for k, v in m.items() if k != "losses"})  # counts, KL, diagnostics
@@ -234,7 +235,7 @@ def main():
 
 
 # ---------------------------------------------------------------------------------------------
-# helpers: the command line and its checks, devices and ranks, the printed lines
+# helpers: the command line and its checks, the printed lines
 
 def parse_overrides(argv):
     """--key=value for any config key (an int is accepted for a float); --resume alone means True."""
@@ -295,42 +296,32 @@ def check_config(cfg):
         raise SystemExit("bad settings, nothing was written:\n  " + "\n  ".join(bad))
 
 
-def check_context(cfg, model_config, prompt_tokens):
-    """A trajectory must fit the model's context: the longest prompt, then max_turns searching turns
-    and the answer-only turn (max_turn_tokens each) and max_turns observations (max_obs_tokens
-    each; the KV cache holds all of it); OFSD's teacher view holds a second response (tau_ref).
-    Refused before any weights or caches are allocated."""
-    response = (cfg["max_turns"] + 1) * (cfg["max_turn_tokens"] + 1) + cfg["max_turns"] * cfg["max_obs_tokens"]
-    longest = prompt_tokens + response * (2 if cfg["ofsd"] else 1)
+def check_ranks(cfg, world_size, ppo_updates):
+    """Every rank needs questions, and the same number of training passes."""
+    q, n = cfg["questions_per_step"], cfg["ofsd_questions"]
+    if q % world_size or q // world_size < ppo_updates or n < world_size:
+        raise SystemExit(f"--questions_per_step={q} must be a multiple of the number of ranks ({world_size}) "
+                         f"with at least one question per rank for each of its {ppo_updates} updates, and "
+                         f"--ofsd_questions={n} at least the number of ranks: every rank needs questions, "
+                         "and the same number of training passes")
+
+
+def check_context(cfg, model_config, tokenizer, longest_question):
+    """A trajectory must fit the model's context: the longest question's prompt, then its response
+    (rollout.max_response_tokens: the KV cache holds all of it); OFSD's teacher view holds the
+    privileged text and a second response (tau_ref). Refused before any weights or caches are allocated."""
+    prompt = len(tokenizer.encode(tokenizer.chat_prompt(make_prompt(longest_question))))
+    response = max_response_tokens(tokenizer, max_turns=cfg["max_turns"], max_turn_tokens=cfg["max_turn_tokens"],
+                                   max_obs_tokens=cfg["max_obs_tokens"])
+    view = "teacher view" if cfg["ofsd_rounds"] else "trajectory"
+    longest = prompt + (len(tokenizer.encode(PRIVILEGED)) + 2 * response if cfg["ofsd_rounds"] else response)
     if longest > model_config.max_position_embeddings:
         raise SystemExit(
-            f"bad settings, nothing was written:\n  a {'teacher view' if cfg['ofsd'] else 'trajectory'} may reach "
-            f"{longest:,} tokens (a prompt of {prompt_tokens} and {'two responses' if cfg['ofsd'] else 'a response'} "
-            f"of up to (--max_turns={cfg['max_turns']} + 1) x (--max_turn_tokens={cfg['max_turn_tokens']} + 1) + "
-            f"--max_turns x --max_obs_tokens={cfg['max_obs_tokens']} = {response:,}), over the model's context of "
-            f"{model_config.max_position_embeddings:,} (max_position_embeddings)")
-
-
-def setup_device(device, dtype):
-    """The one place that picks ranks, device and compute dtype. Under torchrun (RANK set): one
-    process per device (nccl on CUDA, gloo on CPU). "auto": CUDA when there is one; bfloat16 on
-    CUDA, float32 on CPU. A process group means a sharded policy (fsdp.py), so one process that
-    computes in bfloat16 joins a one-rank group: the same mixed precision as N ranks.
-    Returns (rank, world_size, device, compute dtype)."""
-    distributed = "RANK" in os.environ
-    dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    if dev == "cuda" and distributed:
-        dev = f"cuda:{int(os.environ['LOCAL_RANK'])}"
-    if dev.startswith("cuda"):
-        torch.cuda.set_device(dev)
-    dt = getattr(torch, dtype) if dtype != "auto" else (torch.bfloat16 if dev.startswith("cuda") else torch.float32)
-    backend = "nccl" if dev.startswith("cuda") else "gloo"
-    if distributed:
-        dist.init_process_group(backend)
-    elif dt != torch.float32:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    return rank, world_size, dev, dt
+            f"bad settings, nothing was written:\n  a {view} may reach {longest:,} tokens (a prompt of {prompt} and "
+            f"{'two responses' if cfg['ofsd_rounds'] else 'a response'} of up to {response:,}: --max_turns="
+            f"{cfg['max_turns']} searching turns and the answer-only turn of --max_turn_tokens={cfg['max_turn_tokens']}"
+            f" + 1, and --max_turns observations of --max_obs_tokens={cfg['max_obs_tokens']}), over the model's "
+            f"context of {model_config.max_position_embeddings:,} (max_position_embeddings)")
 
 
 def grpo_line(m, it):
@@ -341,8 +332,8 @@ def grpo_line(m, it):
 
 def ofsd_line(row, m):
     line = f"ofsd | it {row['iteration']} | pairs {m['pairs']} ({m['incorrect_students']} with an incorrect student)"
-    if "kl_before" in m:  # what distillation did: the loss, the true KL, the clip, P_student(teacher's top token)
-        line += (f" | loss {m['kl_before']:.5f} -> {m['kl_after']:.5f} | true KL {m['kl_true_before']:.4f} -> "
+    if "loss_before" in m:  # what distillation did: the loss, the true KL, the clip, P_student(teacher's top token)
+        line += (f" | loss {m['loss_before']:.5f} -> {m['loss_after']:.5f} | true KL {m['kl_true_before']:.4f} -> "
                  f"{m['kl_true_after']:.4f} | clipped {m['clip_frac_before']:.2f} | P(top) {m['p_top_before']:.3f}"
                  f" -> {m['p_top_after']:.3f}")
     if "teacher_em" in m:  # the diagnostics: headroom (teacher vs student view) and effect on its questions

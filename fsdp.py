@@ -1,7 +1,9 @@
-"""Sharding and mixed precision with PyTorch's FSDP2: the one place the policy is laid out on ranks.
+"""Devices, sharding and mixed precision with PyTorch's FSDP2: the one place that picks the device
+and compute dtype (`device_and_dtype`, `setup`) and lays the policy out on ranks.
 
-When the run is distributed (torchrun) or computes in bfloat16 (the default on CUDA, one process
-included), evolve.py passes the policy and the KL term's model through `shard`:
+When the run is distributed (torchrun) or computes in bfloat16 (the default on CUDA, and on a
+CPU with native bfloat16 arithmetic for a real checkpoint; one process included), evolve.py
+passes the policy and the KL term's model through `shard`:
     fully_shard(each decoder layer), then fully_shard(the root: embeddings, final norm, LM head)
     MixedPrecisionPolicy(param_dtype=compute dtype, reduce_dtype=float32)
 so every rank holds 1/N of every float32 parameter, and AdamW's moments only for that slice
@@ -34,6 +36,55 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
+
+
+BF16_MIN_HIDDEN = 512  # CPU bfloat16 only for layers this wide: every Qwen2.5 (896+); the toy's 128 stays float32
+
+
+def cpu_has_native_bf16():
+    """Whether this CPU computes bfloat16 natively (AVX-512 BF16 or AMX on x86, BF16 on Arm), read
+    from the flags Linux reports; elsewhere False. Without it PyTorch converts every bfloat16
+    matmul through float32, several times slower than float32 itself."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def device_and_dtype(device, dtype, hidden_size):
+    """The one place that picks the device and the compute dtype: (device string, torch dtype).
+    device "auto": CUDA when there is one, else "cpu". A CUDA device always carries its index
+    (torch.cuda.set_device refuses a bare "cuda"): "cuda" is cuda:LOCAL_RANK under torchrun,
+    cuda:0 otherwise. dtype "auto": bfloat16 on CUDA; on CPU bfloat16 where the CPU computes it
+    natively and the model's hidden size is at least BF16_MIN_HIDDEN (a real checkpoint, whose
+    matmuls dominate), float32 otherwise (the toy world keeps float32, so its tables stay comparable)."""
+    dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    if dev == "cuda":
+        dev = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    if dtype != "auto":
+        return dev, getattr(torch, dtype)
+    if dev.startswith("cuda"):
+        return dev, torch.bfloat16
+    return dev, torch.bfloat16 if cpu_has_native_bf16() and hidden_size >= BF16_MIN_HIDDEN else torch.float32
+
+
+def setup(device, dtype, hidden_size):
+    """Ranks, device and compute dtype (`device_and_dtype`). Under torchrun (RANK set): one process
+    per device (nccl on CUDA, gloo on CPU). A process group means a sharded policy (`shard`), so
+    one process that computes in bfloat16 joins a one-rank group: the same mixed precision as N
+    ranks. Returns (rank, world_size, device, compute dtype)."""
+    dev, dt = device_and_dtype(device, dtype, hidden_size)
+    if dev.startswith("cuda"):
+        torch.cuda.set_device(dev)
+    backend = "nccl" if dev.startswith("cuda") else "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend)
+    elif dt != torch.float32:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    return rank, world_size, dev, dt
 
 
 def shard(model, compute_dtype):

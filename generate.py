@@ -7,7 +7,8 @@ ids or strings, each sampled token's log-probability recorded (what GRPO's pi_ol
     extend(model, cache, chunks)   append token lists (one per row, ragged) to the cache: the
                                    prefill, and the forced tokens of retrieved text
     sample(logits, T, top_p, gen)  one token per row from softmax(logits / T) restricted to the
-                                   smallest set of mass >= top_p (renormalised), by inverse CDF;
+                                   smallest set of mass >= top_p (renormalised), by inverse CDF
+                                   (over the vocabulary, or over the nucleus in descending order);
                                    the recorded log-prob is log softmax(logits / T) of the token
     sample_turn(...)               sample until a stop id, a stop string, or max_new_tokens
     generate(...)                  prompts -> new tokens, log-probs, stop reasons
@@ -111,6 +112,9 @@ def extend(model, cache, chunks, logits=None):
     return torch.where(has, new, logits)
 
 
+NUCLEUS_CANDIDATES = 256  # top-p looks for its nucleus among this many most likely tokens first
+
+
 def sample(logits, temperature, top_p, generator):
     """Pick one token per row; returns (tokens (B,), log p(token) under softmax(logits / T))."""
     if temperature == 0:
@@ -119,17 +123,32 @@ def sample(logits, temperature, top_p, generator):
     else:
         logp = torch.log_softmax(logits / temperature, -1)  # (B, V)
         probs = logp.exp()
-        if top_p < 1.0:
-            sp, si = probs.sort(-1, descending=True)  # (B, V)
-            drop = sp.cumsum(-1) - sp > top_p  # keep the smallest prefix with mass >= top_p
-            sp = sp.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(-1, si, sp)
         # inverse-CDF sampling, one uniform per row (torch.multinomial is ~15x slower at V = 152k);
         # CPU cumsum accumulates in float64, so each float32 CDF entry is off by < 1e-7
-        cdf = probs.cumsum(-1)  # (B, V)
-        u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device, dtype=cdf.dtype) * cdf[:, -1:]
-        tok = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[1] - 1)  # (B,)
+        u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=probs.dtype)  # (B, 1)
+        if top_p < 1.0:
+            # the nucleus lies among the k most likely tokens when they hold more than top_p: a top-k
+            # (B, k) instead of a sort of the whole vocabulary (B, V), 20x faster at V = 152k on CPU;
+            # the rows where it may not (a flat distribution) are sorted whole
+            sp, si = probs.topk(min(NUCLEUS_CANDIDATES, probs.shape[1]), -1)  # (B, k), descending
+            tok = _nucleus_draw(sp, si, top_p, u)
+            wide = sp.sum(-1) <= top_p  # (B,)
+            if wide.any():
+                tok[wide] = _nucleus_draw(*probs[wide].sort(-1, descending=True), top_p, u[wide])
+        else:
+            cdf = probs.cumsum(-1)  # (B, V)
+            tok = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1).clamp_(max=cdf.shape[1] - 1)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def _nucleus_draw(sp, si, top_p, u):
+    """The token at quantile u (B, 1) of the nucleus: sp (B, k) probabilities in descending order
+    and si (B, k) their token ids; the nucleus is the smallest prefix with mass >= top_p,
+    renormalised. Returns (B,) token ids."""
+    sp = sp.masked_fill(sp.cumsum(-1) - sp > top_p, 0.0)  # (B, k)
+    cdf = sp.cumsum(-1)
+    j = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=cdf.shape[1] - 1)  # (B, 1)
+    return si.gather(-1, j).squeeze(-1)
 
 
 @torch.no_grad()

@@ -40,6 +40,7 @@ OFSD with RL in one loss.
 
 import random
 from collections import Counter
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,22 @@ import lora
 from model import pad_right
 from clipped_kl import fused_linear_clipped_kl, position_stats
 from rollout import em_rewards, exact_match, make_prompt, rollout
+
+class Pair(NamedTuple):
+    """One question's mined pair."""
+    ref: object  # tau_ref: the correct Trajectory with the fewest searches
+    stu: object  # tau_stu: the sibling both views continue
+    incorrect: bool  # whether tau_stu is incorrect (else a correct sibling: ofsd_students="any")
+    golds: tuple = ()  # the question's gold answers (greedy EM on the mined questions)
+
+
+class PairSequences(NamedTuple):
+    """A pair as the loss reads it: both views' token ids and their aligned loss positions."""
+    student: list  # chat(instruction || q) then tau_stu
+    teacher: list  # chat(instruction || q || PRIVILEGED(tau_ref)) then tau_stu
+    student_pos: list  # indices of tau_stu's policy-sampled tokens in `student`
+    teacher_pos: list  # the same tokens' indices in `teacher`
+
 
 PRIVILEGED = ("\n\nFor reference, here is a correct and efficient solution to this question, "
               "with its searches and the retrieved documents:\n{tau_ref}\n")
@@ -69,7 +86,7 @@ def token_distance(a, b):
 
 
 def mine_pair(group, rewards):
-    """(ref index, student index, student is incorrect) for one question's group, or None."""
+    """(ref index, student index, student is incorrect) within one question's group, or None."""
     correct = [i for i, r in enumerate(rewards) if r > 0]
     if not correct:
         return None
@@ -84,22 +101,23 @@ def mine_pair(group, rewards):
 
 
 def mine_pairs(trajs, rewards, group_size):
-    """One (tau_ref, tau_stu, student_incorrect) per question group that has a correct rollout."""
+    """One Pair (without gold answers) per question group that has a correct rollout."""
     pairs = []
     for s in range(0, len(trajs), group_size):
         found = mine_pair(trajs[s:s + group_size], rewards[s:s + group_size])
         if found:
-            pairs.append((trajs[s + found[0]], trajs[s + found[1]], found[2]))
+            ref, stu, incorrect = found
+            pairs.append(Pair(trajs[s + ref], trajs[s + stu], incorrect))
     return pairs
 
 
 def mine(trajs, questions, group_size, ofsd_students="any"):
-    """EM rewards, then (tau_ref, tau_stu, student_incorrect, gold answers) per question group with a
-    correct rollout; ofsd_students="incorrect" keeps only the pairs whose student is incorrect."""
+    """EM rewards, then a Pair with its gold answers per question group with a correct rollout;
+    ofsd_students="incorrect" keeps only the pairs whose student is incorrect."""
     golds = {q["question"]: q["golden_answers"] for q in questions}
-    return [(ref, stu, wrong, golds[stu.question])
-            for ref, stu, wrong in mine_pairs(trajs, em_rewards(trajs, questions, group_size), group_size)
-            if wrong or ofsd_students == "any"]
+    return [p._replace(golds=tuple(golds[p.stu.question]))
+            for p in mine_pairs(trajs, em_rewards(trajs, questions, group_size), group_size)
+            if p.incorrect or ofsd_students == "any"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -111,12 +129,12 @@ def privileged(tokenizer, ref):
 
 
 def pair_sequences(tokenizer, ref, stu):
-    """Student and teacher token ids plus the aligned loss positions (predicted token indices)."""
+    """The PairSequences of a pair: both views' token ids and the aligned loss positions."""
     response = stu.tokens[stu.prompt_len:]
     teacher_prompt = tokenizer.encode(tokenizer.chat_prompt(make_prompt(stu.question) + privileged(tokenizer, ref)))
     pos = [p for p in range(stu.prompt_len, len(stu.tokens)) if stu.loss_mask[p]]
     shift = len(teacher_prompt) - stu.prompt_len
-    return stu.tokens, teacher_prompt + response, pos, [p + shift for p in pos]
+    return PairSequences(stu.tokens, teacher_prompt + response, pos, [p + shift for p in pos])
 
 
 def _gather_hidden(model, seqs, positions):
@@ -136,11 +154,12 @@ def _gather_hidden(model, seqs, positions):
 # 3. the round
 
 def ofsd_round(policy, tokenizer, index, questions, *, group_size, rollout_args, generator, ofsd_students, lora_rank,
-               lora_alpha, lora_lr, lora_epochs, ofsd_micro_batch, tau_clip, ofsd_clip, max_grad_norm, kl_chunk, seed,
-               log):
+               lora_alpha, lora_lr, lora_epochs, ofsd_micro_batch, tau_clip, ofsd_clip, max_grad_norm, kl_chunk,
+               lora_seed, log):
     """One OFSD round: G rollouts of the current policy per question, EM rewards, one mined pair per
     question (all ranks' pairs, when distributed), then `distill`. ofsd_students="incorrect" keeps only
-    the pairs whose student is incorrect ("any": the paper's rule). Returns its metrics."""
+    the pairs whose student is incorrect ("any": the paper's rule); `lora_seed` seeds the adapter's
+    initialisation and the order of the pairs. Returns its metrics."""
     with torch.no_grad():
         trajs = rollout(policy, tokenizer, index, [q["question"] for q in questions], group_size, generator=generator,
                         **rollout_args)
@@ -148,11 +167,10 @@ def ofsd_round(policy, tokenizer, index, questions, *, group_size, rollout_args,
     # every rank distills all ranks' pairs (the round is cheap; sharded weights are all-gathered
     # layer by layer, so every rank must run the same passes)
     mined = fsdp.all_ranks(mined)
-    pairs = [(ref, stu, wrong) for ref, stu, wrong, _ in mined]
     before = mined_diagnostics(policy, tokenizer, index, mined, rollout_args, kl_chunk) if mined else {}
-    metrics = distill(policy, tokenizer, pairs, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_lr=lora_lr,
+    metrics = distill(policy, tokenizer, mined, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_lr=lora_lr,
                       lora_epochs=lora_epochs, ofsd_micro_batch=ofsd_micro_batch, tau_clip=tau_clip,
-                      ofsd_clip=ofsd_clip, max_grad_norm=max_grad_norm, kl_chunk=kl_chunk, seed=seed, log=log)
+                      ofsd_clip=ofsd_clip, max_grad_norm=max_grad_norm, kl_chunk=kl_chunk, seed=lora_seed, log=log)
     if mined:  # the round's effect on its own questions, by whether the student was incorrect
         after = greedy_em(policy, tokenizer, index, mined, rollout_args)
         metrics.update(before, **split_em("mined_em_after", after, mined))
@@ -167,20 +185,20 @@ SEGMENTS = ("think", "search", "answer")
 
 def greedy_em(policy, tokenizer, index, mined, rollout_args, teacher_view=False):
     """Greedy EM on the mined questions from the student view, or the teacher view (tau_ref shown)."""
-    contexts = [privileged(tokenizer, ref) for ref, *_ in mined] if teacher_view else None
+    contexts = [privileged(tokenizer, p.ref) for p in mined] if teacher_view else None
     greedy = dict(rollout_args, temperature=0.0, top_p=1.0)
     with torch.no_grad():
-        trajs = rollout(policy, tokenizer, index, [stu.question for _, stu, _, _ in mined], 1,
+        trajs = rollout(policy, tokenizer, index, [p.stu.question for p in mined], 1,
                         contexts=contexts, generator=None, **greedy)
-    return [exact_match(t.answer, gold) for t, (*_, gold) in zip(trajs, mined)]
+    return [exact_match(t.answer, list(p.golds)) for t, p in zip(trajs, mined)]
 
 
 def split_em(name, em, mined):
     """Mean EM overall and over the pairs whose student was incorrect / correct (None when none)."""
     def mean(xs):
         return sum(xs) / len(xs) if xs else None
-    return {name: mean(em), name + "_incorrect": mean([e for e, m in zip(em, mined) if m[2]]),
-            name + "_correct": mean([e for e, m in zip(em, mined) if not m[2]])}
+    return {name: mean(em), name + "_incorrect": mean([e for e, p in zip(em, mined) if p.incorrect]),
+            name + "_correct": mean([e for e, p in zip(em, mined) if not p.incorrect])}
 
 
 def segment_of(text):
@@ -196,7 +214,7 @@ def token_diagnostics(model, tokenizer, mined, kl_chunk):
     not the token the student sampled, and the mean true KL of a position in each segment."""
     differ, n, kl = 0, 0, {s: [] for s in SEGMENTS + ("other",)}
     for ref, stu, *_ in mined:
-        s_ids, t_ids, s_pos, t_pos = pair_sequences(tokenizer, ref, stu)
+        s_ids, t_ids, s_pos, t_pos = pair_sequences(tokenizer, ref, stu)  # a PairSequences
         if not s_pos:
             continue
         h_s, h_t = _gather_hidden(model, [s_ids], [s_pos]), _gather_hidden(model, [t_ids], [t_pos])  # (n, d)
@@ -225,11 +243,11 @@ def mined_diagnostics(policy, tokenizer, index, mined, rollout_args, kl_chunk):
 
 def distill(model, tokenizer, pairs, *, lora_rank, lora_alpha, lora_lr, lora_epochs, ofsd_micro_batch, tau_clip,
             ofsd_clip, max_grad_norm, kl_chunk, seed, log=None):
-    """Distill each pair's teacher view into its student view through LoRA, then merge.
+    """Distill each Pair's teacher view into its student view through LoRA, then merge.
     `log(epoch, step, loss)` is called after every optimizer step."""
-    data = [pair_sequences(tokenizer, ref, stu) for ref, stu, _ in pairs]
-    data = [d for d in data if d[2]]  # a student with no policy token has nothing to learn
-    metrics = dict(pairs=len(pairs), incorrect_students=sum(w for _, _, w in pairs), losses=[])
+    data = [pair_sequences(tokenizer, p.ref, p.stu) for p in pairs]
+    data = [d for d in data if d.student_pos]  # a student with no policy token has nothing to learn
+    metrics = dict(pairs=len(pairs), incorrect_students=sum(p.incorrect for p in pairs), losses=[])
     if not data:
         return metrics
     params = lora.attach(model, lora_rank, lora_alpha)
@@ -262,10 +280,10 @@ def distill(model, tokenizer, pairs, *, lora_rank, lora_alpha, lora_lr, lora_epo
 @torch.no_grad()
 def pair_stats(model, data, tau_clip, ofsd_clip, ofsd_micro_batch, kl_chunk):
     """Mean over the pairs of each pair's mean over its loss positions (the loss's own weighting)
-    of: the loss ("kl", the value training minimises), the true forward KL ("kl_true"), the share
+    of: the loss ("loss", the clipped value training minimises), the true forward KL ("kl_true"), the share
     of positions the clip changed ("clip_frac") and the student's probability of the teacher's
     most likely token ("p_top"). The teacher runs with the adapter off, the student with it."""
-    sums = dict(kl=0.0, kl_true=0.0, clip_frac=0.0, p_top=0.0)
+    sums = dict(loss=0.0, kl_true=0.0, clip_frac=0.0, p_top=0.0)
     for i in range(0, len(data), ofsd_micro_batch):
         students, teachers, s_pos, t_pos = zip(*data[i:i + ofsd_micro_batch])
         with lora.disabled(model):
@@ -273,7 +291,7 @@ def pair_stats(model, data, tau_clip, ofsd_clip, ofsd_micro_batch, kl_chunk):
         h_s = _gather_hidden(model, students, s_pos)  # (N, d)
         stats = position_stats(h_s, h_t, model.lm_head_weight, tau_clip, ofsd_clip, kl_chunk)
         lengths = [len(p) for p in s_pos]
-        for key, name in (("kl", "loss"), ("kl_true", "kl"), ("clip_frac", "clipped"), ("p_top", "p_top")):
+        for key, name in (("loss", "loss"), ("kl_true", "kl"), ("clip_frac", "clipped"), ("p_top", "p_top")):
             sums[key] += sum(x.mean().item() for x in stats[name].split(lengths)) / len(data)
     return sums
 
@@ -285,7 +303,7 @@ def broadcast(tensors):
 
 
 def pair_loss(model, batch, tau_clip, ofsd_clip, kl_chunk):
-    """Mean over the pairs of each pair's mean clipped KL over its loss positions."""
+    """Mean over the pairs (PairSequences) of each pair's mean clipped KL over its loss positions."""
     students, teachers, s_pos, t_pos = zip(*batch)
     with torch.no_grad(), lora.disabled(model):
         h_t = _gather_hidden(model, teachers, t_pos)  # (N, d) teacher: frozen base weights

@@ -111,6 +111,16 @@ def em_rewards(trajs, questions, group_size):
     return [exact_match(t.answer, g) for t, g in zip(trajs, golds)]
 
 
+def max_response_tokens(tokenizer, *, max_turns, max_turn_tokens, max_obs_tokens):
+    """The most KV-cache slots a response can take after its prompt: max_turns searching turns and
+    the answer-only turn, each up to max_turn_tokens plus the slot of a dropped end-of-turn token,
+    and after each searching turn an observation (at most max_obs_tokens) or the invalid-action
+    message, whichever is longer. `rollout` sizes its cache with it; evolve.py refuses settings
+    whose trajectories could outgrow the model's context with it."""
+    env = max(max_obs_tokens, len(tokenizer.encode(INVALID)))
+    return (max_turns + 1) * (max_turn_tokens + 1) + max_turns * env
+
+
 @dataclass
 class Trajectory:
     question: str
@@ -167,8 +177,8 @@ def rollout(model, tokenizer, retriever, questions, group_size, *, max_turns, ma
         for t, p in zip(trajs, (p for p in prompts for _ in range(G))):
             t.add(p, sampled=False)
         invalid_ids = tokenizer.encode(INVALID)
-        per_turn_env = max(max_obs_tokens, len(invalid_ids))
-        max_len = max(map(len, prompts)) + (max_turns + 1) * (max_turn_tokens + 1) + max_turns * per_turn_env
+        max_len = max(map(len, prompts)) + max_response_tokens(
+            tokenizer, max_turns=max_turns, max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens)
 
         cache = generate.new_cache(model, len(prompts), max_len)
         logits = generate.extend(model, cache, prompts)  # (B, V) prefill once per question

@@ -364,7 +364,7 @@ def install_shipped(backbone):
         got = file_sha256(os.path.join(SHIPPED, name))
         if got != want:
             raise ValueError(f"{os.path.join(SHIPPED, name)}: sha256 {got}, expected {want} (a damaged "
-                             "checkout? `git checkout assets/` restores it; --stats needs the real one)")
+                             "checkout? `git checkout assets/` restores it)")
     tmp = backbone.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(SHIPPED, tmp)

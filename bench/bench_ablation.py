@@ -18,10 +18,11 @@ settings); arguments after `--` go to every run. A run whose results are already
 same command is reused (so a killed table resumes where it stopped).
 
     python bench/bench_ablation.py                     # docs/ablation.md's table: 4 variants x 5 seeds
-    python bench/bench_ablation.py --seeds 0 --variants grpo:--ofsd=false ofsd -- --grpo_steps=5
+    python bench/bench_ablation.py --seeds 0 --variants grpo:--ofsd_rounds=false ofsd -- --grpo_steps=5
 """
 
 import argparse
+import inspect
 import json
 import os
 import shutil
@@ -33,9 +34,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from eval import curves_svg  # noqa: E402  (the repository's chart, shared with evolve.py)
 import evolve  # noqa: E402  (its parse_overrides types a variant's settings)
+from grpo import grpo_round  # noqa: E402
+from ofsd import ofsd_round  # noqa: E402
+from rollout import rollout  # noqa: E402
 
 VARIANTS = (  # pre-declared in docs/ablation.md before the runs; the first is the baseline
-    "grpo:--ofsd=false",                     # GRPO only, the same GRPO steps
+    "grpo:--ofsd_rounds=false",                     # GRPO only, the same GRPO steps
     "ofsd-vocab:--ofsd_clip=vocab",          # the paper's formula: each (position, vocabulary) term clipped
     "ofsd-position:--ofsd_clip=position",    # each position's KL clipped
     "ofsd-none:--ofsd_clip=none",            # plain forward KL
@@ -56,10 +60,18 @@ def cell(vals, digits=3):
     return "-" if s is None else f"{s[0]:.{digits}f} [{s[1]:.{min(digits, 2)}f}, {s[2]:.{min(digits, 2)}f}]"
 
 
-# settings that only an OFSD round reads: variants that differ from the baseline in these alone share
-# its first GRPO round (same seed, same steps, deterministic), which runs once per seed
-OFSD_ONLY = {"ofsd", "ofsd_questions", "ofsd_students", "lora_rank", "lora_alpha", "lora_lr", "lora_epochs",
-             "ofsd_micro_batch", "tau_clip", "ofsd_clip", "kl_chunk"}
+def ofsd_only():
+    """The settings that only an OFSD round reads: the evolve.py settings that ofsd.ofsd_round takes
+    by name and neither grpo.grpo_round nor the rollouts do, plus the two evolve.py reads to run the
+    round (ofsd_rounds, ofsd_questions). Variants that differ from the baseline in these alone share
+    its first GRPO round (same seed, same steps, deterministic), which runs once per seed."""
+    def takes(fn):
+        return set(inspect.signature(fn).parameters)
+    return (takes(ofsd_round) - takes(grpo_round) - takes(rollout)) & set(evolve.config_keys) | {"ofsd_rounds",
+                                                                                                  "ofsd_questions"}
+
+
+OFSD_ONLY = ofsd_only()
 
 
 def fork(src, dst, args):
@@ -74,7 +86,7 @@ def fork(src, dst, args):
     state_file = os.path.join(dst, "checkpoint", "state.json")
     with open(state_file) as f:
         state = json.load(f)
-    state["config"].update({k: getattr(evolve, k) for k in OFSD_ONLY})  # the defaults, then the variant's
+    state["config"].update({k: evolve.DEFAULTS[k] for k in OFSD_ONLY})  # the defaults, then the variant's
     state["config"].update(evolve.parse_overrides(args))
     with open(state_file, "w") as f:
         json.dump(state, f)
@@ -126,7 +138,7 @@ def plan(variants, seeds, out, extra):
     for s in seeds:
         first = f"{out}/first-seed{s}"
         if any(shares):
-            jobs.append(([sys.executable, "evolve.py", f"--seed={s}", f"--out_dir={first}", "--ofsd=false",
+            jobs.append(([sys.executable, "evolve.py", f"--seed={s}", f"--out_dir={first}", "--ofsd_rounds=false",
                           "--iterations=1", *extra], first, None))
         for (name, settings), share in zip(variants, shares):
             run = f"{out}/{name}-seed{s}"

@@ -17,7 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import evolve  # noqa: E402  (the loop's settings: the backbone is measured with them)
+from evolve import DEFAULTS  # noqa: E402  (the loop's settings as written: the backbone is measured with them)
 import retriever  # noqa: E402
 import toyagent  # noqa: E402
 from eval import evaluate, summarize  # noqa: E402  (the project's greedy evaluation)
@@ -57,14 +57,16 @@ def backbone_stats(world_dir, *, group_size, temperature, max_turns, max_turn_to
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--world_dir", default=evolve.world_dir)
-    ap.add_argument("--temperature", type=float, default=evolve.temperature, help="sampling temperature of the groups")
+    ap.add_argument("--world_dir", default=DEFAULTS["world_dir"])
+    ap.add_argument("--temperature", type=float, default=DEFAULTS["temperature"],
+                    help="sampling temperature of the groups")
     ap.add_argument("--build", action="store_true", help="build the backbone from the code instead of the shipped one")
     args = ap.parse_args()
-    world_dir, _ = toyagent.ensure(args.world_dir, evolve.world_seed, evolve.top_k, use_shipped=not args.build)
+    world_dir, _ = toyagent.ensure(args.world_dir, DEFAULTS["world_seed"], DEFAULTS["top_k"],
+                                   use_shipped=not args.build)
     print(json.dumps(backbone_stats(
-        world_dir, group_size=evolve.group_size, temperature=args.temperature, max_turns=evolve.max_turns,
-        max_turn_tokens=evolve.max_turn_tokens, max_obs_tokens=evolve.max_obs_tokens, top_k=evolve.top_k, seed=0),
+        world_dir, group_size=DEFAULTS["group_size"], temperature=args.temperature, seed=0,
+        **{k: DEFAULTS[k] for k in ("max_turns", "max_turn_tokens", "max_obs_tokens", "top_k")}),
         indent=1))
 
 

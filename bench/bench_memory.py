@@ -30,7 +30,8 @@ sys.path.insert(0, ROOT)
 from fsdp import shard, state_bytes  # noqa: E402
 import grpo  # noqa: E402
 from model import Qwen2, Qwen2Config, load  # noqa: E402
-from rollout import Trajectory  # noqa: E402
+from rollout import Trajectory, max_response_tokens  # noqa: E402
+from tokenizer import Tokenizer  # noqa: E402
 
 GB = 1e9
 SIZES = {  # Qwen2.5-*-Instruct config.json values
@@ -41,7 +42,8 @@ SIZES = {  # Qwen2.5-*-Instruct config.json values
     "7B": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
 }
-ROLLOUT_ROWS, MAX_LEN = 64, 300 + 5 * 501 + 4 * 500  # prompt, 5 turns of <= 500 tokens, 4 observations
+# docs/real-scale.md's rollout: 64 trajectories decoded at once, a 300-token prompt, 4 searching turns
+ROLLOUT_ROWS, PROMPT, TURNS = 64, 300, dict(max_turns=4, max_turn_tokens=500, max_obs_tokens=500)
 MICRO_TOKENS, LOSS_TOKENS = 4 * 2000, 4 * 600
 
 
@@ -171,7 +173,9 @@ def main():
         layer, ckpt, head = acts[size]
         print(f"| {size} | {layer / 1e3:.1f} KB | {ckpt / 1e3:.1f} KB | {head / 1e6:.2f} MB |")
 
-    print(f"\n3. per GPU, GB (rollout_rows={ROLLOUT_ROWS} x {MAX_LEN} KV slots; micro-batch {MICRO_TOKENS} tokens, "
+    toy_tokenizer = Tokenizer(os.path.join(models[0][1], "tokenizer.json"))  # only the invalid-action message's length
+    max_len = PROMPT + max_response_tokens(toy_tokenizer, **TURNS)  # the KV cache of one trajectory, as rollout sizes it
+    print(f"\n3. per GPU, GB (rollout_rows={ROLLOUT_ROWS} x {max_len} KV slots; micro-batch {MICRO_TOKENS} tokens, "
           f"{LOSS_TOKENS} of them loss tokens); 'replicated' = every rank holds everything (before FSDP2)\n")
     print("| model | GPUs | layout | parameters | gradients | AdamW | KL model | rollout: gathered bf16 weights "
           "| rollout: KV cache | activations (no ckpt / ckpt) | peak (no ckpt / ckpt) |")
@@ -179,7 +183,7 @@ def main():
     for size, dims in SIZES.items():
         cfg = Qwen2Config(**dims, rope_theta=1e6)
         P, L = n_params(cfg), cfg.num_hidden_layers
-        kv = 2 * L * cfg.num_key_value_heads * cfg.head_dim * 2 * ROLLOUT_ROWS * MAX_LEN  # bfloat16 K and V
+        kv = 2 * L * cfg.num_key_value_heads * cfg.head_dim * 2 * ROLLOUT_ROWS * max_len  # bfloat16 K and V
         layer, ckpt, head = acts[size]
         act = MICRO_TOKENS * layer * L + LOSS_TOKENS * head
         act_ckpt = MICRO_TOKENS * ckpt * L + MICRO_TOKENS * layer + LOSS_TOKENS * head  # + one layer recomputed

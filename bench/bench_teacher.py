@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import evolve  # noqa: E402  (the loop's settings)
+from evolve import DEFAULTS  # noqa: E402  (the loop's settings as written, whatever main() did since)
 import retriever  # noqa: E402
 import toyagent  # noqa: E402
 from model import load  # noqa: E402
@@ -49,20 +49,20 @@ def headroom(folder, index, questions, rollout_args, group_size, seed):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("checkpoints", nargs="*", help="model folders (default: the world's backbone)")
-    ap.add_argument("--world_dir", default=evolve.world_dir)
+    ap.add_argument("--world_dir", default=DEFAULTS["world_dir"])
     ap.add_argument("--questions", type=int, default=96, help="train questions rolled out (evolve: ofsd_questions)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    world_dir, backbone = toyagent.ensure(args.world_dir, evolve.world_seed, evolve.top_k)
+    world_dir, backbone = toyagent.ensure(args.world_dir, DEFAULTS["world_seed"], DEFAULTS["top_k"])
     index = retriever.load_index(os.path.join(world_dir, "index"))
     train = read_jsonl(os.path.join(world_dir, "train.jsonl"))
     questions = random.Random(args.seed).sample(train, args.questions)
-    rollout_args = dict(max_turns=evolve.max_turns, max_turn_tokens=evolve.max_turn_tokens,
-                        max_obs_tokens=evolve.max_obs_tokens, top_k=evolve.top_k, temperature=evolve.temperature,
-                        top_p=evolve.top_p)
+    rollout_args = {k: DEFAULTS[k] for k in ("max_turns", "max_turn_tokens", "max_obs_tokens", "top_k", "temperature",
+                                             "top_p")}
     print("| checkpoint | type | mined | student EM | teacher EM | teacher - student |\n|---|---|---|---|---|---|")
     for folder in args.checkpoints or [backbone]:
-        for kind, (n, s, t) in headroom(folder, index, questions, rollout_args, evolve.group_size, args.seed).items():
+        found = headroom(folder, index, questions, rollout_args, DEFAULTS["group_size"], args.seed)
+        for kind, (n, s, t) in found.items():
             print(f"| {folder} | {kind} | {n} | {s:.3f} | {t:.3f} | {t - s:+.3f} |")
 
 

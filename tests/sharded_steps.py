@@ -7,7 +7,7 @@ Every process builds the same 12 trajectories (4 questions x G=3) from the check
 tokenizer, with recorded log-probs a little off the model's (so the PPO clip acts); rank r takes
 questions r, r + N, ... for each GRPO step; the OFSD round distils 4 fixed pairs. Rank 0 saves
 the step metrics, the OFSD losses, every rank's state_bytes and the full weights after each
-phase to OUT.pt.
+phase to OUT.pt; the OFSD round runs once per clip mode, one after the other.
 """
 
 import copy
@@ -22,6 +22,7 @@ import fsdp  # noqa: E402
 import grpo  # noqa: E402
 from model import load  # noqa: E402
 import ofsd  # noqa: E402
+from clipped_kl import CLIPS  # noqa: E402
 from rollout import Trajectory, make_prompt  # noqa: E402
 
 QUESTIONS = ["which river flows through Paris", "who founded Tokyo", "which lake is near London",
@@ -70,12 +71,7 @@ def plain_step(model, dtype, trajs, advantages, pad_id):
 def main():
     model_dir, out, mode = sys.argv[1], sys.argv[2], (sys.argv[3] if len(sys.argv) > 3 else "float32")
     shift = float(sys.argv[4]) if len(sys.argv) > 4 else 0.3
-    dt = torch.bfloat16 if mode == "bfloat16" else torch.float32
-    if "RANK" in os.environ:
-        dist.init_process_group("gloo")
-    elif dt != torch.float32:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rank, world, _, dt = fsdp.setup("cpu", "bfloat16" if mode == "bfloat16" else "float32", 0)  # evolve.py's setup
     torch.manual_seed(0)
     policy, tokenizer = load(model_dir)
     reference = load(model_dir)[0]
@@ -104,12 +100,16 @@ def main():
     policy.eval()
     held = fsdp.state_bytes(policy, optimizer, reference)
     after_grpo = fsdp.full_state_dict(policy)
-    pairs = [(trajs[g * G], trajs[g * G + 1], True) for g in range(len(QUESTIONS))]
-    m = ofsd.distill(policy, tokenizer, pairs, lora_rank=4, lora_alpha=8, lora_lr=1e-2, lora_epochs=2, ofsd_micro_batch=2,
-                     tau_clip=0.05, ofsd_clip="vocab", max_grad_norm=1.0, kl_chunk=7, seed=0)
-    after_ofsd = fsdp.full_state_dict(policy)
+    pairs = [ofsd.Pair(trajs[g * G], trajs[g * G + 1], True) for g in range(len(QUESTIONS))]
+    rounds, after_ofsd = {}, {}
+    for clip in CLIPS:  # one round per clip mode, one after the other (each merges into the policy)
+        rounds[clip] = ofsd.distill(policy, tokenizer, pairs, lora_rank=4, lora_alpha=8, lora_lr=1e-2, lora_epochs=2,
+                                    ofsd_micro_batch=2, tau_clip=0.05, ofsd_clip=clip, max_grad_norm=1.0, kl_chunk=7,
+                                    seed=0)
+        after_ofsd[clip] = fsdp.full_state_dict(policy)
     if rank == 0:
-        torch.save(dict(steps=steps, weights=weights, grads=grads, plain=plain, ofsd=m, state_bytes=held, after_grpo=after_grpo, after_ofsd=after_ofsd), out)
+        torch.save(dict(steps=steps, weights=weights, grads=grads, plain=plain, ofsd=rounds, state_bytes=held,
+                        after_grpo=after_grpo, after_ofsd=after_ofsd), out)
     if dist.is_initialized():
         dist.barrier()  # no rank tears its group down while another still talks to it (gloo aborts)
         dist.destroy_process_group()

@@ -1,5 +1,6 @@
-"""OFSD's loss (clipped_kl.py), every clip mode: Triton kernel (TRITON_INTERPRET=1) and chunked
-paths against float64, the fused hidden-state path, and which modes move a student toward its teacher."""
+"""OFSD's loss (clipped_kl.py), every clip mode through every path: Triton kernel (TRITON_INTERPRET=1)
+and chunked against float64, the fused hidden-state path through both, -inf teacher logits, and
+which modes move a student toward its teacher."""
 
 import pytest
 import torch
@@ -34,8 +35,15 @@ def row_kl(s, t):
                         for i in range(s.shape[0])])
 
 
+def grad_bound(g_want, dtype, n):
+    """What may separate a path's gradient from the float64 one: one rounding to bfloat16 of each
+    element, or float32 arithmetic, plus a floor of 1e-6 / n (bench/gpu_check.py uses it too)."""
+    return (BF16_ULP if dtype == torch.bfloat16 else 1e-5) * g_want.abs() + 1e-6 / n
+
+
 def tau_between(kl):
-    """A tau_clip halfway between the two middle row KLs: about half the rows clipped, none on the edge."""
+    """A tau_clip halfway between the two middle row KLs: about half the rows clipped, none on the
+    edge (bench/gpu_check.py uses it too)."""
     k = kl.sort().values
     return (k[len(k) // 2 - 1] + k[len(k) // 2]).item() / 2 if len(k) > 1 else k[0].item() / 2
 
@@ -58,21 +66,61 @@ def test_matches_float64_reference(path, clip, n, v, dtype, active):
     # dtype, so bfloat16 rounds each element once after float32 arithmetic (an all-zero gradient fails)
     assert abs(loss.item() - want.item()) <= 1e-5 * max(1.0, abs(want.item()))
     assert g.dtype == dtype
-    bound = (BF16_ULP if dtype == torch.bfloat16 else 1e-5) * g_want.abs() + 1e-6 / n
-    assert ((g.double() - g_want).abs() <= bound).all()
+    assert ((g.double() - g_want).abs() <= grad_bound(g_want, dtype, n)).all()
     if active and clip == "position":  # some rows clipped (zero gradient), some not
         assert 0 < int((g.abs().sum(-1) == 0).sum()) < n or n == 1 and not g.any()
 
 
 @pytest.mark.parametrize("path", PATHS)
 def test_clip_modes_differ_as_defined(path):
-    """With a small tau_clip: vocab < KL, position = min(KL, tau) per row, none = KL."""
+    """With a small tau_clip, against the definitions written out in float64 (not the spec):
+    vocab = mean_p sum_v min(f, tau) < KL, position = mean_p min(KL, tau), none = mean_p KL."""
     s, t = case(9, 513, torch.float32, spread=4.0)
-    kl = row_kl(s, t)
-    got = {clip: clipped_kl.clipped_forward_kl(s, t, 0.001, clip, use_triton=path).item() for clip in clipped_kl.CLIPS}
-    assert got["vocab"] < 0.5 * got["none"]
-    assert abs(got["none"] - kl.mean().item()) <= 1e-5 * kl.mean().item()
-    assert abs(got["position"] - kl.clamp(max=0.001).mean().item()) <= 1e-7
+    ps, pt = torch.softmax(s.double(), -1), torch.softmax(t.double(), -1)
+    f = pt * (pt.log() - ps.log())  # (N, V) the per-term KL
+    tau = 0.001
+    want = dict(vocab=f.clamp(max=tau).sum(-1).mean(), position=f.sum(-1).clamp(max=tau).mean(), none=f.sum(-1).mean())
+    got = {clip: clipped_kl.clipped_forward_kl(s, t, tau, clip, use_triton=path).item() for clip in clipped_kl.CLIPS}
+    for clip in clipped_kl.CLIPS:
+        assert abs(got[clip] - want[clip].item()) <= 1e-5 * want[clip].item(), clip
+    assert want["vocab"] < 0.5 * want["none"] and want["position"] < 0.5 * want["none"]  # both clips act here
+
+
+@pytest.mark.parametrize("path", PATHS + [pytest.param("spec", id="spec")])
+@pytest.mark.parametrize("clip", clipped_kl.CLIPS)
+def test_minus_inf_teacher_logits(path, clip):
+    """A teacher logit of -inf (Pt = 0) adds a term of 0 (0 log 0 = 0) in every path and mode: the
+    loss and gradient equal the definitions in float64, never NaN."""
+    s, t = case(6, 1031, torch.float32)
+    t[:, ::7] = -float("inf")  # every seventh entry of every row: impossible for the teacher
+    keep = torch.ones(t.shape[1], dtype=torch.bool)
+    keep[::7] = False
+    tau = tau_between(row_kl(s[:, keep], t[:, keep])) if clip == "position" else 0.002
+    x = s.clone().requires_grad_(True)
+    loss = (clipped_kl.clipped_forward_kl_spec(x, t, tau, clip) if path == "spec"
+            else clipped_kl.clipped_forward_kl(x, t, tau, clip, use_triton=path))
+    (g,) = torch.autograd.grad(loss, x)
+    ps, pt = torch.softmax(s.double(), -1), torch.softmax(t.double(), -1)
+    f = torch.where(pt > 0, pt * (pt.log() - ps.log()), 0.0)
+    want = dict(vocab=f.clamp(max=tau).sum(-1), position=f.sum(-1).clamp(max=tau), none=f.sum(-1))[clip].mean()
+    assert torch.isfinite(loss) and torch.isfinite(g).all()
+    assert abs(loss.item() - want.item()) <= 1e-5 * max(1.0, want.item())
+    assert ((g.double() - reference64(s, t, tau, clip)[1]).abs() <= 1e-5 * reference64(s, t, tau, clip)[1].abs() + 1e-6).all()
+
+
+def test_position_stats_refuses_an_unknown_clip():
+    """position_stats names an unknown clip mode instead of reporting "none"'s numbers under it."""
+    h = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="clip='token'"):
+        clipped_kl.position_stats(h, h, torch.randn(11, 8), 0.05, "token")
+
+
+def test_kernel_without_triton_is_a_named_error(monkeypatch):
+    """Asking for the Triton kernel where Triton is not installed says so (no NameError)."""
+    monkeypatch.setattr(clipped_kl, "triton", None)
+    s, t = case(2, 9, torch.float32)
+    with pytest.raises(RuntimeError, match="Triton is not installed"):
+        clipped_kl.clipped_forward_kl(s, t, 0.05, "vocab", use_triton=True)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -131,15 +179,16 @@ def test_direction_from_a_start_near_the_teacher():
     assert true_kl["vocab"] > 100 * kl0
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("clip", clipped_kl.CLIPS)
-def test_fused_linear_equals_logits_path(clip):
+def test_fused_linear_equals_logits_path(path, clip):
     """Hidden states + LM head (no (N, V) logits kept) give the logits path's loss and gradient."""
     g = torch.Generator().manual_seed(0)
     hs, ht = torch.randn(19, 32, generator=g), torch.randn(19, 32, generator=g)
     w = torch.randn(1001, 32, generator=g) * 0.3
     tau = tau_between(row_kl(hs @ w.T, ht @ w.T)) if clip == "position" else 0.01
     x = hs.clone().requires_grad_(True)
-    loss = clipped_kl.fused_linear_clipped_kl(x, ht, w, tau, clip, chunk=5)
+    loss = clipped_kl.fused_linear_clipped_kl(x, ht, w, tau, clip, chunk=5, use_triton=path)
     (gx,) = torch.autograd.grad(loss, x)
     y = hs.clone().requires_grad_(True)
     want = clipped_kl.clipped_forward_kl_spec(y @ w.T, ht @ w.T, tau, clip)
@@ -147,15 +196,16 @@ def test_fused_linear_equals_logits_path(clip):
     assert abs(loss.item() - want.item()) <= 1e-5 and torch.allclose(gx, gy, atol=1e-6)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("clip", clipped_kl.CLIPS)
-def test_fused_row_weights_are_a_weighted_sum(clip):
+def test_fused_row_weights_are_a_weighted_sum(path, clip):
     """With per-row weights (the per-pair 1 / (|R| B)) the fused loss is sum_r w_r l_r, gradient included."""
     g = torch.Generator().manual_seed(1)
     hs, ht = torch.randn(11, 24, generator=g), torch.randn(11, 24, generator=g)
     w = torch.randn(613, 24, generator=g) * 0.3
     rw = torch.tensor([1 / 6] * 3 + [1 / 16] * 8)  # two pairs of 3 and 8 positions, a batch of 2
     x = hs.clone().requires_grad_(True)
-    loss = clipped_kl.fused_linear_clipped_kl(x, ht, w, 0.2, clip, row_weight=rw, chunk=4)
+    loss = clipped_kl.fused_linear_clipped_kl(x, ht, w, 0.2, clip, row_weight=rw, chunk=4, use_triton=path)
     (gx,) = torch.autograd.grad(loss, x)
     y = hs.double().requires_grad_(True)
     want = sum(rw[r].double() * clipped_kl.clipped_forward_kl_spec(y[r:r + 1] @ w.T.double(), ht[r:r + 1].double() @ w.T.double(),

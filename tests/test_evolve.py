@@ -93,8 +93,8 @@ def test_overrides_parse_types():
     """An int is accepted for a float; bools take true/false; --resume alone is True."""
     sys.path.insert(0, ROOT)
     from evolve import parse_overrides
-    o = parse_overrides(["--lr=1", "--ofsd=false", "--resume", "--grpo_steps=7", "--out_dir=x"])
-    assert o == {"lr": 1.0, "ofsd": False, "resume": True, "grpo_steps": 7, "out_dir": "x"}
+    o = parse_overrides(["--lr=1", "--ofsd_rounds=false", "--resume", "--grpo_steps=7", "--out_dir=x"])
+    assert o == {"lr": 1.0, "ofsd_rounds": False, "resume": True, "grpo_steps": 7, "out_dir": "x"}
     assert isinstance(o["lr"], float)
     with pytest.raises(SystemExit, match="--grpo_steps=1.5: expected int"):
         parse_overrides(["--grpo_steps=1.5"])
@@ -121,6 +121,28 @@ def test_curves_svg_draws_mean_and_band():
     assert hi_y < mean_y < lo_y and abs(mean_y - (lo_y + hi_y) / 2) < 0.2  # SVG y grows downwards
 
 
+def test_curves_png_fits_the_picture():
+    """The chart rendered to PNG: both panels' frames and last x label lie inside the picture (the
+    rightmost columns are background), and one run's legend promises no band."""
+    import io
+
+    PIL = pytest.importorskip("PIL.Image")
+    resvg_py = pytest.importorskip("resvg_py")
+    from eval import curves_svg
+    rows = [dict(after=a, iteration=it, summary={"all": dict(em=e, searches=1 + e)}) for a, it, e in
+            (("start", 0, 0.38), ("grpo", 0, 0.7), ("ofsd", 0, 0.7), ("grpo", 1, 0.68), ("ofsd", 1, 0.676))]
+    svg = curves_svg({"runs/toy": [rows]})
+    assert "1 run</text>" in svg and "band" not in svg
+    png = resvg_py.svg_to_bytes(svg_string=svg, sans_serif_family="DejaVu Sans", font_dirs=["/usr/share/fonts"])
+    img = PIL.open(io.BytesIO(bytes(png))).convert("L")
+    W, H = img.size
+    px = img.load()
+    inked = [x for x in range(W) if any(px[x, y] < 200 for y in range(H))]  # columns holding a line or a letter
+    assert inked and max(inked) < W - 4  # nothing reaches the right edge
+    frames = [x for x in range(W) if sum(px[x, y] < 200 for y in range(H)) > 200]  # the two frames' sides
+    assert len(frames) >= 4 and max(frames) < W - 20, frames
+
+
 def test_kl_model_is_refreshed_each_round(micro, killed_and_resumed, tmp_path):
     """kl_policy="round": each GRPO round's first update has KL exactly 0 (the KL model is the policy
     it starts from); "initial": the second round's first update sees the moved policy (KL > 0)."""
@@ -143,7 +165,7 @@ def test_ablation_fork_is_the_run_from_scratch(micro, killed_and_resumed, tmp_pa
     import bench_ablation
     full, _ = killed_and_resumed  # micro, 2 iterations, the default OFSD settings
     first, forked = str(tmp_path / "first"), str(tmp_path / "forked")
-    assert evolve(micro + ["--ofsd=false", "--iterations=1", f"--out_dir={first}"]).returncode == 0
+    assert evolve(micro + ["--ofsd_rounds=false", "--iterations=1", f"--out_dir={first}"]).returncode == 0
     bench_ablation.fork(first, forked, micro)
     p = evolve(micro + ["--iterations=2", f"--out_dir={forked}", "--resume"])
     assert p.returncode == 0, p.stderr[-3000:]

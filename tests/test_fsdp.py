@@ -1,7 +1,7 @@
 """FSDP2 sharding and mixed precision (fsdp.py), on CPU with gloo: 2 ranks against 1 process.
 
-The step tests run tests/sharded_steps.py (3 GRPO steps and an OFSD round on fixed trajectories
-and pairs) once per layout and compare what rank 0 saved. float32 on 2 ranks vs 1 process:
+The step tests run tests/sharded_steps.py (3 GRPO steps and an OFSD round per clip mode on fixed
+trajectories and pairs) once per layout and compare what rank 0 saved. float32 on 2 ranks vs 1 process:
 losses and gradient norms within 1e-5 relative, weights 2e-5 after GRPO and 5e-5 after OFSD
 (measured 8e-8 to 5e-7 on losses, 3.5e-6 relative on a gradient norm of 18, 7.6e-7 and 5.9e-6
 on weights: the sum over ranks changes the float order).
@@ -24,6 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from clipped_kl import CLIPS
 from model import load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,12 +68,15 @@ def test_two_ranks_grpo_matches_one_process(steps):
     assert max_diff(one["after_grpo"], two["after_grpo"]) < 2e-5
 
 
-def test_two_ranks_ofsd_matches_one_process(steps):
-    """An OFSD round (LoRA on the sharded base, teacher pass with it off, merge) matches 1 process."""
+@pytest.mark.parametrize("clip", CLIPS)
+def test_two_ranks_ofsd_matches_one_process(steps, clip):
+    """An OFSD round (LoRA on the sharded base, teacher pass with it off, merge) matches 1 process, each clip mode."""
     one, two = steps["one"], steps["two"]
-    assert max(abs(a - b) for a, b in zip(one["ofsd"]["losses"], two["ofsd"]["losses"])) < 1e-5
-    assert max_diff(one["after_ofsd"], two["after_ofsd"]) < 5e-5
-    assert max_diff(one["after_grpo"], one["after_ofsd"]) > 1e-3  # the merge changed the weights
+    assert len(one["ofsd"][clip]["losses"]) == len(two["ofsd"][clip]["losses"]) > 0
+    assert max(abs(a - b) for a, b in zip(one["ofsd"][clip]["losses"], two["ofsd"][clip]["losses"])) < 1e-5
+    assert max_diff(one["after_ofsd"][clip], two["after_ofsd"][clip]) < 5e-5
+    before = one["after_grpo"] if clip == CLIPS[0] else one["after_ofsd"][CLIPS[CLIPS.index(clip) - 1]]
+    assert max_diff(before, one["after_ofsd"][clip]) > 1e-3  # this round's merge changed the weights
 
 
 def test_two_ranks_hold_half_the_state(steps):
@@ -137,7 +141,8 @@ def test_adamw_applies_the_gradient_to_float32_masters(steps):
 def test_activation_checkpointing_changes_nothing(steps):
     """Recomputing each decoder layer in backward gives bit-identical steps and weights."""
     assert steps["one_recompute"]["steps"] == steps["one"]["steps"]
-    assert max_diff(steps["one"]["after_ofsd"], steps["one_recompute"]["after_ofsd"]) == 0
+    for clip in CLIPS:
+        assert max_diff(steps["one"]["after_ofsd"][clip], steps["one_recompute"]["after_ofsd"][clip]) == 0
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +174,7 @@ def test_two_rank_checkpoint_loads_in_transformers(two_rank_runs):
     """The model a 2-rank run saves (gathered on rank 0) is a Hugging Face checkpoint."""
     transformers = pytest.importorskip("transformers")
     path = os.path.join(two_rank_runs[0], "checkpoint", "model")
-    hf = transformers.Qwen2ForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ours = load(path)[0]
     ids = torch.tensor([[5, 17, 99, 3, 250, 42]])
     with torch.no_grad():

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import clipped_kl
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -18,6 +20,10 @@ def test_smoke_runs_every_section(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert {r["section"] for r in rows} == {"loss", "generate", "loop", "nccl"}
     assert all(r["ok"] for r in rows)
-    assert sum(r["section"] == "loss" and "err_over_bound" in str(r) for r in rows) == 6  # 3 clips x 2 dtypes
+    kernel_rows = sum(r["section"] == "loss" and "err_over_bound" in str(r) for r in rows)
+    if clipped_kl.triton is not None:
+        assert kernel_rows == 6  # 3 clips x 2 dtypes
+    else:  # skipped, and the table says why
+        assert kernel_rows == 0 and "Triton is not installed" in p.stdout
     loop = next(r for r in rows if r["section"] == "loop")
-    assert loop["grpo_tokens"] > 0 and loop["ofsd_pairs"] >= 0
+    assert loop["grpo_tokens"] > 0 and loop["ofsd_pairs"] > 0  # the OFSD round mined pairs and distilled

@@ -201,3 +201,23 @@ def test_sampler_draws_the_renormalised_nucleus(temperature, top_p):
     assert (freq[~keep] == 0).all()
     assert ((freq - want).abs() <= 5 * (want * (1 - want) / n).sqrt() + 1e-12).all(), (freq, want)
     assert torch.allclose(logp.double(), torch.log(p)[tok], atol=1e-5)  # recorded: log p under the full softmax
+
+
+@pytest.mark.parametrize("candidates", [2, 4, 7])
+def test_sampler_nucleus_beyond_its_candidates(monkeypatch, candidates):
+    """sample(): the nucleus is the same whether it lies among the top-k candidates or past them
+    (those rows sorted whole), in one batch that mixes both kinds of row (5 sigma)."""
+    monkeypatch.setattr("generate.NUCLEUS_CANDIDATES", candidates)
+    rows = torch.tensor([[4.0, 3.0, 0.5, 0.2, 0.0, -1.0, -3.0],   # peaked: a nucleus of 2 tokens
+                         [0.3, 0.2, 0.2, 0.1, 0.0, -0.1, -0.2]])  # flat: a nucleus of 6 tokens
+    top_p, n = 0.9, 100_000
+    tok, _ = sample(rows.repeat(n, 1), 1.0, top_p, torch.Generator().manual_seed(0))
+    for r, logits in enumerate(rows):
+        p = torch.softmax(logits.double(), -1)
+        order = p.argsort(descending=True)
+        keep = torch.zeros_like(p, dtype=torch.bool)
+        keep[order[(p[order].cumsum(0) - p[order]) < top_p]] = True
+        want = torch.where(keep, p, 0.0) / p[keep].sum()
+        freq = torch.bincount(tok[r::2], minlength=len(logits)).double() / n
+        assert (freq[~keep] == 0).all(), (candidates, r, freq)
+        assert ((freq - want).abs() <= 5 * (want * (1 - want) / n).sqrt() + 1e-12).all(), (freq, want)

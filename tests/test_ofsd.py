@@ -47,7 +47,7 @@ def test_no_correct_no_pair_and_ties_are_deterministic():
     g = [traj([1, 2, 3], 0), traj([7, 8], 1), traj([8, 9], 1)]
     assert ofsd.mine_pair(g, [1, 0, 0]) == (0, 1, True)
     pairs = ofsd.mine_pairs(g + [traj([4, 4])] * 3, [1, 0, 0, 0, 0, 0], 3)
-    assert len(pairs) == 1 and pairs[0][0] is g[0] and pairs[0][2]
+    assert len(pairs) == 1 and pairs[0].ref is g[0] and pairs[0].incorrect
 
 
 def test_token_distance():
@@ -106,7 +106,7 @@ def test_round_lowers_kl_and_merges(agent, tokenizer, search_index):
     model = copy.deepcopy(agent)
     trajs = run(model, tokenizer, search_index, [AGENT_QUESTION, "Ada"], G=3, temperature=1.3,
                 generator=torch.Generator().manual_seed(0))
-    pairs = [(trajs[0], trajs[1], True), (trajs[3], trajs[5], False)]
+    pairs = [ofsd.Pair(trajs[0], trajs[1], True), ofsd.Pair(trajs[3], trajs[5], False)]
     seen = {}
     original = ofsd.lora.merge
 
@@ -127,7 +127,7 @@ def test_round_lowers_kl_and_merges(agent, tokenizer, search_index):
     finally:
         ofsd.lora.merge = original
     assert out["pairs"] == 2 and out["incorrect_students"] == 1
-    assert out["kl_after"] < out["kl_before"]
+    assert out["loss_after"] < out["loss_before"]
     assert (seen["merged"] - seen["adapted"]).abs().max() <= 1e-4  # float32, 400+ positions
     assert not lora._wrapped(model) and all(p.requires_grad for p in model.parameters())
 
@@ -144,7 +144,7 @@ def test_token_diagnostics_equal_a_full_forward(agent, tokenizer, search_index):
     """disagree and the per-segment true KL equal those computed from full teacher/student logits."""
     trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION], G=2, temperature=1.3,
                 generator=torch.Generator().manual_seed(3))
-    mined = [(trajs[0], trajs[1], True, ["Paris"])]
+    mined = [ofsd.Pair(trajs[0], trajs[1], True, ("Paris",))]
     got = ofsd.token_diagnostics(agent, tokenizer, mined, kl_chunk=7)
     s_ids, t_ids, s_pos, t_pos = ofsd.pair_sequences(tokenizer, trajs[0], trajs[1])
     with torch.no_grad():
@@ -168,16 +168,37 @@ def test_round_reports_its_diagnostics(agent, tokenizer, search_index):
                  {"question": "which lake is near London", "golden_answers": ["Paris"]}]
     m = ofsd.ofsd_round(model, tokenizer, search_index, questions, group_size=4, ofsd_students="any", lora_rank=4,
                         lora_alpha=8, lora_lr=1e-3, lora_epochs=1, ofsd_micro_batch=2, tau_clip=0.05,
-                        ofsd_clip="vocab", max_grad_norm=1.0, kl_chunk=64, seed=0, log=None,
+                        ofsd_clip="vocab", max_grad_norm=1.0, kl_chunk=64, lora_seed=0, log=None,
                         rollout_args=dict(max_turns=2, max_turn_tokens=40, max_obs_tokens=400, top_k=3,
                                           temperature=1.0, top_p=1.0), generator=torch.Generator().manual_seed(0))
     assert m["pairs"] >= 1
     for key in ("teacher_em", "student_em", "mined_em_before", "mined_em_after", "disagree"):
         assert 0.0 <= m[key] <= 1.0, key
-    assert m["student_em"] == m["mined_em_before"]
     n_wrong = m["incorrect_students"]  # the teacher's split weighs its two halves back to its mean
     halves = [(m["teacher_em_incorrect"], n_wrong), (m["teacher_em_correct"], m["pairs"] - n_wrong)]
     assert abs(sum(e * n for e, n in halves if e is not None) / m["pairs"] - m["teacher_em"]) < 1e-9
+
+
+def test_greedy_em_reads_each_view(agent, tokenizer, search_index):
+    """greedy_em's teacher view is a greedy rollout with tau_ref in the prompt, its student view one
+    without: on pairs where the context changes the answer, each scores what its own rollout answers."""
+    trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION, "which lake is near London", "who founded Tokyo"],
+                G=3, temperature=1.3, generator=torch.Generator().manual_seed(0))
+    args = dict(max_turns=2, max_turn_tokens=40, max_obs_tokens=400, top_k=3, temperature=1.0, top_p=1.0)
+    pairs = [ofsd.Pair(trajs[i], trajs[i + 1], True) for i in range(0, len(trajs), 3)]
+    views = {}
+    for view, contexts in (("student", None), ("teacher", [ofsd.privileged(tokenizer, p.ref) for p in pairs])):
+        direct = rollout.rollout(agent, tokenizer, search_index, [p.stu.question for p in pairs], 1, contexts=contexts,
+                                 generator=None, **dict(args, temperature=0.0))
+        views[view] = [t.answer for t in direct]
+    changed = [i for i, (a, b) in enumerate(zip(views["student"], views["teacher"])) if a != b]
+    assert changed, views  # the fixture must hold a pair whose answer the context changes
+    golds = [(views["teacher"][i] or views["student"][i],) for i in changed]  # an answer one view gives, not the other
+    mined = [pairs[i]._replace(golds=g) for i, g in zip(changed, golds)]
+    want = {v: [rollout.exact_match(views[v][i], list(g)) for i, g in zip(changed, golds)] for v in views}
+    assert all(a != b for a, b in zip(want["student"], want["teacher"]))
+    assert ofsd.greedy_em(agent, tokenizer, search_index, mined, args, teacher_view=True) == want["teacher"]
+    assert ofsd.greedy_em(agent, tokenizer, search_index, mined, args) == want["student"]
 
 
 def test_round_with_incorrect_students_only(agent, tokenizer, search_index):
@@ -186,7 +207,7 @@ def test_round_with_incorrect_students_only(agent, tokenizer, search_index):
     questions = [{"question": AGENT_QUESTION, "golden_answers": ["Paris"]},
                  {"question": "which lake is near London", "golden_answers": ["Paris"]}] * 2
     args = dict(group_size=4, lora_rank=4, lora_alpha=8, lora_lr=1e-3, lora_epochs=1, ofsd_micro_batch=2, tau_clip=0.05,
-                ofsd_clip="vocab", max_grad_norm=1.0, kl_chunk=64, seed=0, log=None)
+                ofsd_clip="vocab", max_grad_norm=1.0, kl_chunk=64, lora_seed=0, log=None)
     counts = {}
     for students in ("any", "incorrect"):
         m = ofsd.ofsd_round(copy.deepcopy(model), tokenizer, search_index, questions, ofsd_students=students,
@@ -245,8 +266,8 @@ def test_pair_stats_report_the_true_kl(agent, tokenizer, search_index):
     base, model, data = adapted_pairs(agent, tokenizer, search_index)
     got = ofsd.pair_stats(model, data, 0.05, "position", ofsd_micro_batch=2, kl_chunk=5)
     ref = reference_positions(base, model, data, 0.05, "position")
-    for key, want in (("kl", sum(l.mean() for l, _, _ in ref) / 2), ("kl_true", sum(k.mean() for _, k, _ in ref) / 2),
+    for key, want in (("loss", sum(l.mean() for l, _, _ in ref) / 2), ("kl_true", sum(k.mean() for _, k, _ in ref) / 2),
                       ("clip_frac", sum((k > 0.05).double().mean() for _, k, _ in ref) / 2),
                       ("p_top", sum(p.mean() for _, _, p in ref) / 2)):
         assert abs(got[key] - want.item()) <= 1e-5 * max(1.0, abs(want.item())), key
-    assert got["kl_true"] > got["kl"]  # the clip acted
+    assert got["kl_true"] > got["loss"]  # the clip acted

@@ -182,6 +182,9 @@ def test_workers_give_the_same_hits(small):
     vocab = [w.lower() for w in WORDS if w.lower() not in analysis.STOPWORDS]
     queries = [" ".join(rng.choice(vocab) for _ in range(rng.randint(1, 5))) for _ in range(57)] + ["the", ""]
     want = index.search(queries, 3)
+    assert index._pool is None  # one worker: searched in this process
     assert index.search(queries, 3, workers=2) == want
+    assert index._pool_size == 2 and index._pool._processes == 2  # the batch went to a pool of 2
     assert index.search(queries, 10, workers=3) == index.search(queries, 10)  # another pool size
+    assert index._pool_size == 3 and index._pool._processes == 3
     assert index.search(queries[:3], 3, workers=2) == want[:3]  # a batch too small to split

@@ -17,11 +17,11 @@ from conftest import random_model, tiny_config
 from test_evolve import ROOT, evolve
 
 sys.path.insert(0, ROOT)
-from evolve import check_config, config_keys  # noqa: E402
+from evolve import DEFAULTS, check_config, check_context  # noqa: E402
 
 
 def good_config(**changes):
-    cfg = {k: getattr(sys.modules["evolve"], k) for k in config_keys}  # evolve.py's defaults
+    cfg = dict(DEFAULTS)  # evolve.py's defaults
     cfg.update(changes)
     return cfg
 
@@ -67,8 +67,8 @@ def test_resume_refuses_changed_settings(micro, tmp_path):
     """--resume lists the keys that changed the run's meaning; a harmless one (eval_batch) passes."""
     out = tmp_path / "run"
     assert evolve(micro + [f"--out_dir={out}", "--iterations=0"]).returncode == 0
-    p = evolve(micro + [f"--out_dir={out}", "--iterations=0", "--resume", "--ofsd=false", "--lr=0.5"])
-    assert p.returncode != 0 and "lr=0.0001 (now 0.5)" in p.stderr and "ofsd=True (now False)" in p.stderr
+    p = evolve(micro + [f"--out_dir={out}", "--iterations=0", "--resume", "--ofsd_rounds=false", "--lr=0.5"])
+    assert p.returncode != 0 and "lr=0.0001 (now 0.5)" in p.stderr and "ofsd_rounds=True (now False)" in p.stderr
     p = evolve(micro + [f"--out_dir={out}", "--iterations=0", "--resume", "--eval_batch=7"])
     assert p.returncode == 0 and "resumed from" in p.stdout, p.stderr[-2000:]
 
@@ -116,6 +116,20 @@ def test_trajectory_longer_than_the_context_is_refused(micro, tmp_path):
     p = evolve(micro + ["--max_turns=100000", f"--out_dir={out}"])
     assert p.returncode != 0 and not out.exists()
     assert "--max_turns=100000" in p.stderr and "over the model's context of 32,768" in p.stderr
+
+
+def test_context_check_counts_what_the_cache_holds(tokenizer):
+    """check_context counts a response as rollout sizes its KV cache (rollout.max_response_tokens):
+    where the invalid-action message is longer than the observation cap, the message counts."""
+    from rollout import make_prompt, max_response_tokens
+    question, turns = "which river flows through Paris", dict(max_turns=3, max_turn_tokens=10, max_obs_tokens=1)
+    prompt = len(tokenizer.encode(tokenizer.chat_prompt(make_prompt(question))))
+    need = prompt + max_response_tokens(tokenizer, **turns)
+    assert need > prompt + 4 * 11 + 3 * 1  # the message (not the 1-token cap) bounds each turn's injected text
+    cfg = good_config(ofsd_rounds=False, **turns)
+    check_context(cfg, tiny_config(max_position_embeddings=need), tokenizer, question)  # fits exactly
+    with pytest.raises(SystemExit, match="over the model's context of"):
+        check_context(cfg, tiny_config(max_position_embeddings=need - 1), tokenizer, question)
 
 
 def test_empty_train_file_fails_before_out_dir(micro, tmp_path):

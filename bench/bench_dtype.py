@@ -1,0 +1,117 @@
+"""float32 against bfloat16 for a real Qwen2.5 checkpoint, on this machine: what the "auto" dtype is for.
+
+For the checkpoint given (--checkpoint or QWEN_CHECKPOINT), each dtype in turn, in one run:
+  prefill    generate.extend of B prompts of T tokens into an empty KV cache: prompt tokens/s
+  decode     generate.sample_turn steps at each batch size after a 256-token prefill, sampling as the
+             loop does (temperature 1, top-p 0.95), every row generating: new tokens/s
+  GRPO pass  grpo.token_logprobs (log-probs and entropy at the policy's tokens) forward + backward
+             over a batch of trajectories, a sixth of each the policy's tokens: seconds. float32 is a
+             plain float32 model; bfloat16 is evolve.py's mixed precision (fsdp.shard on one rank:
+             float32 master weights, bfloat16 compute)
+Inference runs on weights loaded in the dtype (as eval.py does). The last lines say whether this
+CPU computes bfloat16 natively (fsdp.cpu_has_native_bf16) and what "auto" picks for the checkpoint.
+Without native bfloat16 (AVX2, or AVX-512 without BF16) PyTorch converts each bfloat16 matmul
+through float32, so bfloat16 is slower there, and "auto" keeps float32.
+
+    python bench/bench_dtype.py --checkpoint ~/.cache/qwen2.5-coder-0.5b-instruct [--threads 2]
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import fsdp  # noqa: E402
+import generate  # noqa: E402
+import grpo  # noqa: E402
+from model import Qwen2Config, load  # noqa: E402
+
+
+def prompts(vocab, batch, length, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1000, vocab - 1000, (batch, length), generator=g).tolist()
+
+
+@torch.no_grad()
+def prefill(model, batch, length):
+    """Prompt tokens/s of one prefill of `batch` prompts of `length` tokens."""
+    p = prompts(model.config.vocab_size, batch, length, 0)
+    cache = generate.new_cache(model, batch, length + 1)
+    t0 = time.perf_counter()
+    generate.extend(model, cache, p)
+    return batch * length / (time.perf_counter() - t0)
+
+
+@torch.no_grad()
+def decode(model, tokenizer, batch, steps, prompt=256):
+    """New tokens/s of `steps` sampled tokens per row (after an untimed prefill), every row generating."""
+    cache = generate.new_cache(model, batch, prompt + steps + 1)
+    logits = generate.extend(model, cache, prompts(model.config.vocab_size, batch, prompt, 1))
+    t0 = time.perf_counter()
+    generate.sample_turn(model, tokenizer, cache, logits, [True] * batch, steps, temperature=1.0, top_p=0.95,
+                         generator=torch.Generator().manual_seed(0), stop_ids=())
+    return batch * steps / (time.perf_counter() - t0)
+
+
+def grpo_pass(model, batch, length):
+    """Seconds of one forward + backward of the policy's log-probs and entropy (grpo.token_logprobs)."""
+    ids = torch.tensor(prompts(model.config.vocab_size, batch, length, 2))
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    mask = torch.zeros_like(valid)
+    mask[:, -length // 6:] = True  # the policy's tokens: a sixth of a search trajectory
+    t0 = time.perf_counter()
+    logp, entropy = grpo.token_logprobs(model, ids, valid, mask, 1.0, entropy=True)
+    (-logp.mean() - 0.001 * entropy.mean()).backward()
+    return time.perf_counter() - t0
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--checkpoint", default=os.environ.get("QWEN_CHECKPOINT", ""))
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--prefill", default="4x256", help="BxT prompt tokens of the prefill")
+    ap.add_argument("--batches", default="16,64", help="decode batch sizes")
+    ap.add_argument("--steps", type=int, default=16, help="decode steps timed per batch")
+    ap.add_argument("--train", default="4x512", help="BxT tokens of the GRPO pass")
+    args = ap.parse_args()
+    if not args.checkpoint:
+        sys.exit("give --checkpoint DIR (a Hugging Face Qwen2.5 folder) or set QWEN_CHECKPOINT")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    pb, pt = map(int, args.prefill.split("x"))
+    tb, tt = map(int, args.train.split("x"))
+    batches = [int(b) for b in args.batches.split(",")]
+    rows = {}
+    for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        model, tok = load(args.checkpoint, "cpu", dt)
+        r = rows[name] = dict(prefill=prefill(model, pb, pt))
+        for b in batches:
+            r[f"decode {b}"] = decode(model, tok, b, args.steps)
+        del model
+        policy = load(args.checkpoint, "cpu", torch.float32)[0].train()
+        if dt != torch.float32:  # evolve.py's path: a one-rank group, FSDP2 mixed precision
+            fsdp.setup("cpu", name, policy.config.hidden_size)
+            fsdp.shard(policy, dt)
+        r["grpo"] = grpo_pass(policy, tb, tt)
+        del policy
+        print(f"  {name}: {r}", file=sys.stderr, flush=True)
+    cols = [f"prefill {pb}x{pt} tok/s"] + [f"decode batch {b} tok/s" for b in batches] + [f"GRPO pass {tb}x{tt} s"]
+    keys = ["prefill"] + [f"decode {b}" for b in batches] + ["grpo"]
+    print(f"\n{os.path.basename(args.checkpoint.rstrip('/'))}, CPU, {torch.get_num_threads()} threads, torch "
+          f"{torch.__version__}\n")
+    print("| dtype | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols))
+    for name, r in rows.items():
+        print(f"| {name} | " + " | ".join(f"{r[k]:.1f}" if k != "grpo" else f"{r[k]:.2f}" for k in keys) + " |")
+    speed = [rows["bfloat16"][k] / rows["float32"][k] if k != "grpo" else rows["float32"][k] / rows["bfloat16"][k]
+             for k in keys]
+    print("| bfloat16 / float32 speed | " + " | ".join(f"{s:.2f}x" for s in speed) + " |")
+    width = Qwen2Config.from_json(os.path.join(args.checkpoint, "config.json")).hidden_size
+    print(f"\nnative bfloat16 on this CPU: {fsdp.cpu_has_native_bf16()}; "
+          f"dtype 'auto' picks {fsdp.device_and_dtype('cpu', 'auto', width)[1]} for this checkpoint")
+
+
+if __name__ == "__main__":
+    main()
