@@ -158,11 +158,10 @@ class Attention(nn.Module):
         if mask is None:  # plain causal attention: training passes, a right-padded prefill
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_head != self.n_kv)
         else:  # each key-value head's G query heads folded into its rows (query head h reads key-value
-            # head h // G), so K and V are read once per key-value head, not repeated per query head
-            G, S = self.n_head // self.n_kv, mask.shape[-1]
-            qf = q.reshape(B, self.n_kv, G * T, self.head_dim)  # (B, Hkv, G*T, D), row g*T + t
-            mf = mask[:, :, None].expand(B, 1, G, T, S).reshape(B, 1, G * T, S)  # (B, 1, G*T, S)
-            y = F.scaled_dot_product_attention(qf, k, v, attn_mask=mf).view(B, self.n_head, T, self.head_dim)
+            # head h // G), so K and V are read once per key-value head, not repeated per query head;
+            # the mask comes folded the same way from Qwen2.hidden: (B, 1, G*T, S)
+            qf = q.reshape(B, self.n_kv, -1, self.head_dim)  # (B, Hkv, G*T, D), row g*T + t
+            y = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask).view(B, self.n_head, T, self.head_dim)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # y: (B, H, T, D)
 
 
@@ -248,7 +247,9 @@ class Qwen2(nn.Module):
             causal = k_slot[None, :] <= q_slot[:, None]  # (T, S)
             # a padding query attends to itself only, so no softmax row is empty (output unused)
             mask = (causal & key_valid[:, None, :]) | (k_slot[None, :] == q_slot[:, None])  # (B, T, S)
-            mask = mask[:, None]  # (B, 1, T, S)
+            G = self.config.num_attention_heads // self.config.num_key_value_heads
+            mask = mask[:, None, None].expand(B, 1, G, T, s0 + T).reshape(B, 1, G * T, s0 + T)  # (B, 1, G*T, S):
+            # row g*T + t is query t of a key-value head's g-th query head (Attention folds them so)
 
         cfg = self.config
         x = self.model.embed_tokens(input_ids)  # (B, T, d)
