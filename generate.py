@@ -136,9 +136,14 @@ def sample(logits, temperature, top_p, generator):
             if wide.any():
                 tok[wide] = _nucleus_draw(*probs[wide].sort(-1, descending=True), top_p, u[wide])
         else:
-            cdf = probs.cumsum(-1)  # (B, V)
-            tok = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1).clamp_(max=cdf.shape[1] - 1)
+            tok = _inverse_cdf(probs, u).squeeze(-1)  # (B,) over the whole vocabulary
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def _inverse_cdf(p, u):
+    """The index (B, 1) at quantile u (B, 1) of each row of (unnormalised) probabilities p (B, k)."""
+    cdf = p.cumsum(-1)  # (B, k)
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=cdf.shape[1] - 1)
 
 
 def _nucleus_draw(sp, si, top_p, u):
@@ -146,9 +151,7 @@ def _nucleus_draw(sp, si, top_p, u):
     and si (B, k) their token ids; the nucleus is the smallest prefix with mass >= top_p,
     renormalised. Returns (B,) token ids."""
     sp = sp.masked_fill(sp.cumsum(-1) - sp > top_p, 0.0)  # (B, k)
-    cdf = sp.cumsum(-1)
-    j = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=cdf.shape[1] - 1)  # (B, 1)
-    return si.gather(-1, j).squeeze(-1)
+    return si.gather(-1, _inverse_cdf(sp, u)).squeeze(-1)
 
 
 @torch.no_grad()
