@@ -10,7 +10,8 @@ ids or strings, each sampled token's log-probability recorded (what GRPO's pi_ol
                                    smallest set of mass >= top_p (renormalised), by inverse CDF
                                    (over the vocabulary, or over the nucleus in descending order);
                                    the recorded log-prob is log softmax(logits / T) of the token
-    sample_turn(...)               sample until a stop id, a stop string, or max_new_tokens
+    sample_turn(...)               sample until a stop id, a stop string, or max_new_tokens; the
+                                   forward runs over the rows still writing (moved to the cache's front)
     generate(...)                  prompts -> new tokens, log-probs, stop reasons
 
 Left out: beam search, speculative decoding, repetition penalties, paged attention.
@@ -62,6 +63,23 @@ class KVCache:
         self.valid = torch.arange(self.max_len, device=idx.device)[None, :] < n[:, None]  # (b, max_len)
         self.next_pos = self.next_pos[idx]
         self.length = packed
+
+    def front(self, n):
+        """A cache over rows 0..n-1 of this one: views of the same buffers, so what the model appends
+        to it lands here (then set this cache's `length` to the front's)."""
+        new = object.__new__(KVCache)
+        new.k, new.v, new.valid, new.next_pos = self.k[:, :n], self.v[:, :n], self.valid[:n], self.next_pos[:n]
+        new.length = self.length
+        return new
+
+    def reorder(self, order):
+        """Rows 0..len(order)-1 become the rows `order` (a permutation of those rows), in place."""
+        idx = torch.tensor(order, device=self.valid.device)
+        n, s = len(order), self.length
+        self.k[:, :n, :, :s] = self.k[:, idx, :, :s]  # (L, n, H, s, D); the index makes a copy first
+        self.v[:, :n, :, :s] = self.v[:, idx, :, :s]
+        self.valid[:n] = self.valid[idx]
+        self.next_pos[:n] = self.next_pos[idx]
 
     def drop_last(self, rows):
         """Forget the last token of each listed row (an end-of-turn token the trajectory does not
@@ -115,17 +133,22 @@ def extend(model, cache, chunks, logits=None):
 NUCLEUS_CANDIDATES = 256  # top-p looks for its nucleus among this many most likely tokens first
 
 
-def sample(logits, temperature, top_p, generator):
-    """Pick one token per row; returns (tokens (B,), log p(token) under softmax(logits / T))."""
+def sample(logits, temperature, top_p, generator, rows=None):
+    """Pick one token per row; returns (tokens (B,), log p(token) under softmax(logits / T)).
+    `rows` (b,): draw for those rows only (returns (b,) each); the generator still advances by one
+    uniform per row of `logits`, so what a row draws does not depend on which others are drawn."""
+    if temperature > 0:
+        # inverse-CDF sampling, one uniform per row (torch.multinomial is ~15x slower at V = 152k);
+        # CPU cumsum accumulates in float64, so each float32 CDF entry is off by < 1e-7
+        u = torch.rand(logits.shape[0], 1, generator=generator, device=logits.device, dtype=logits.dtype)  # (B, 1)
+    if rows is not None:
+        logits, u = logits[rows], (u[rows] if temperature > 0 else None)  # (b, V), (b, 1)
     if temperature == 0:
         tok = logits.argmax(-1)
         logp = torch.log_softmax(logits, -1)
     else:
         logp = torch.log_softmax(logits / temperature, -1)  # (B, V)
         probs = logp.exp()
-        # inverse-CDF sampling, one uniform per row (torch.multinomial is ~15x slower at V = 152k);
-        # CPU cumsum accumulates in float64, so each float32 CDF entry is off by < 1e-7
-        u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=probs.dtype)  # (B, 1)
         if top_p < 1.0:
             # the nucleus lies among the k most likely tokens when they hold more than top_p: a top-k
             # (B, k) instead of a sort of the whole vocabulary (B, V), 20x faster at V = 152k on CPU;
@@ -163,6 +186,12 @@ def sample_turn(model, tokenizer, cache, logits, active, max_new_tokens, *, temp
     completes it is kept), or at the cap. Returns (tokens, logprobs, reasons, logits): per row the
     new token ids, the log-probability of each (see `sample`), why it stopped ("stop_id",
     "stop_string", "length" or None for inactive rows), and next-token logits (B, V).
+
+    The forward pass runs only over the front of the cache: when at most half of the rows it
+    computes are still going, those rows are moved to the front (`KVCache.reorder`), so a row that
+    closed its search after 40 tokens does not decode on while another writes 200. The rows are put
+    back in order before returning. The generator still advances by one uniform per row and step, as
+    if no row had stopped, so what a row draws does not depend on when the others stop.
     """
     B = logits.shape[0]
     active = list(active)
@@ -170,26 +199,37 @@ def sample_turn(model, tokenizer, cache, logits, active, max_new_tokens, *, temp
     stop_ids = set(stop_ids)
     window = max((len(s) for s in stop_strings), default=0) + 1
     dev = cache.valid.device
+    held = list(range(B))  # the batch row in each cache row; the forward computes the first n
+    n, work, logits = B, cache, logits.clone()  # (B, V)
     for _ in range(max_new_tokens):
-        if not any(active):
+        going = [i for i in held[:n] if active[i]]
+        if not going:
             break
-        tok, lp = sample(logits, temperature, top_p, generator)
-        tok_l, lp_l = tok.tolist(), lp.tolist()
-        fed = torch.tensor(active, device=dev)[:, None]  # (B, 1)
-        for i in range(B):
-            if not active[i]:
-                continue
-            toks[i].append(tok_l[i])
-            lps[i].append(lp_l[i])
-            if tok_l[i] in stop_ids:
+        if len(going) <= n // 2:  # compact: the going rows to the front, the forward over them only
+            pos = {r: j for j, r in enumerate(held[:n])}
+            held[:n] = going + [i for i in held[:n] if not active[i]]
+            cache.length = work.length
+            cache.reorder([pos[r] for r in held[:n]])
+            n, work = len(going), cache.front(len(going))
+        fed = torch.tensor([active[i] for i in held[:n]], device=dev)  # (n,) the going rows
+        tok, lp = sample(logits, temperature, top_p, generator, rows=torch.tensor(going, device=dev))  # (g,) each
+        for i, t, lp_i in zip(going, tok.tolist(), lp.tolist()):
+            toks[i].append(t)
+            lps[i].append(lp_i)
+            if t in stop_ids:
                 reasons[i] = "stop_id"
             elif stop_strings and any(s in tokenizer.decode(toks[i][-window:]) for s in stop_strings):
                 reasons[i] = "stop_string"
             elif len(toks[i]) == max_new_tokens:
                 reasons[i] = "length"
             active[i] = reasons[i] is None
-        h = model.hidden(tok[:, None], cache, fed)  # (B, 1, d)
-        logits = torch.where(fed, F.linear(h[:, 0], model.lm_head_weight).float(), logits)  # (B, V)
+        ids = torch.zeros(n, 1, dtype=torch.long, device=dev)  # (n, 1): padding in the rows not going
+        ids[fed, 0] = tok
+        h = model.hidden(ids, work, fed[:, None])  # (n, 1, d)
+        logits[going] = F.linear(h[fed, 0], model.lm_head_weight).float()  # (g, V)
+    cache.length = work.length
+    if n < B:  # every row back to its own place
+        cache.reorder([held.index(i) for i in range(B)])
     return toks, lps, reasons, logits
 
 

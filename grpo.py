@@ -138,6 +138,7 @@ def grpo_round(policy, kl_model, optimizer, tokenizer, index, next_questions, *,
         with torch.no_grad():
             trajs = rollout(policy, tokenizer, index, [q["question"] for q in questions], group_size,
                             generator=generator, **rollout_args)
+        rollout_seconds = time.time() - t0
         rewards = em_rewards(trajs, questions, group_size)
         advantages = group_advantages(rewards, group_size).tolist()
         for g in optimizer.param_groups:
@@ -160,7 +161,7 @@ def grpo_round(policy, kl_model, optimizer, tokenizer, index, next_questions, *,
         if dist.is_initialized():
             dist.all_reduce(stats)
         m.update(step=step, reward=(stats[0] / stats[2]).item(), searches=(stats[1] / stats[2]).item(),
-                 seconds=time.time() - t0)
+                 seconds=time.time() - t0, rollout_seconds=rollout_seconds)
         log(m)
         history.append(m)
     policy.eval()

@@ -31,7 +31,7 @@ Reward: R = EM(answer, gold) in {0, 1}, where the answer is the last <answer>...
 model wrote and both sides are normalised (lowercase, punctuation and the articles a/an/the
 dropped, whitespace collapsed); any gold answer may match. No format reward.
 
-Left out: asynchronous / continuous batching (finished rows idle until the batch ends), vLLM.
+Left out: asynchronous / continuous batching (a finished row is not refilled with a new question), vLLM.
 
     python rollout.py CHECKPOINT_DIR INDEX_DIR "Who founded the company that makes the iPhone?"
 """

@@ -8,10 +8,12 @@ For the checkpoint given (--checkpoint or QWEN_CHECKPOINT), each dtype in turn, 
              over a batch of trajectories, a sixth of each the policy's tokens: seconds. float32 is a
              plain float32 model; bfloat16 is evolve.py's mixed precision (fsdp.shard on one rank:
              float32 master weights, bfloat16 compute)
-Inference runs on weights loaded in the dtype (as eval.py does). The last lines say whether this
-CPU computes bfloat16 natively (fsdp.cpu_has_native_bf16) and what "auto" picks for the checkpoint.
-Without native bfloat16 (AVX2, or AVX-512 without BF16) PyTorch converts each bfloat16 matmul
-through float32, so bfloat16 is slower there, and "auto" keeps float32.
+Inference runs on weights loaded in the dtype (as eval.py does). Each figure is the second of two
+identical calls: the first pays for first-touch of the weights and oneDNN's kernel selection (a cold
+bfloat16 prefill here ran at half its warm speed). The last lines say whether this CPU computes
+bfloat16 natively (fsdp.cpu_has_native_bf16) and what "auto" picks for the checkpoint. Without native
+bfloat16 (AVX2, or AVX-512 without BF16) PyTorch converts each bfloat16 matmul through float32, 5-7x
+slower than float32 itself: the bfloat16 row is then skipped, with the reason, unless --dtypes asks.
 
     python bench/bench_dtype.py --checkpoint ~/.cache/qwen2.5-coder-0.5b-instruct [--threads 2]
 """
@@ -33,6 +35,12 @@ from model import Qwen2Config, load  # noqa: E402
 def prompts(vocab, batch, length, seed):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(1000, vocab - 1000, (batch, length), generator=g).tolist()
+
+
+def warm(measure):
+    """The second of two identical calls of `measure` (the first warms weights and kernels)."""
+    measure()
+    return measure()
 
 
 @torch.no_grad()
@@ -62,6 +70,7 @@ def grpo_pass(model, batch, length):
     valid = torch.ones_like(ids, dtype=torch.bool)
     mask = torch.zeros_like(valid)
     mask[:, -length // 6:] = True  # the policy's tokens: a sixth of a search trajectory
+    model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
     logp, entropy = grpo.token_logprobs(model, ids, valid, mask, 1.0, entropy=True)
     (-logp.mean() - 0.001 * entropy.mean()).backward()
@@ -76,6 +85,8 @@ def main():
     ap.add_argument("--batches", default="16,64", help="decode batch sizes")
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed per batch")
     ap.add_argument("--train", default="4x512", help="BxT tokens of the GRPO pass")
+    ap.add_argument("--dtypes", default="", help="comma-separated; default float32 and, where this CPU "
+                    "computes it natively, bfloat16")
     args = ap.parse_args()
     if not args.checkpoint:
         sys.exit("give --checkpoint DIR (a Hugging Face Qwen2.5 folder) or set QWEN_CHECKPOINT")
@@ -84,18 +95,21 @@ def main():
     pb, pt = map(int, args.prefill.split("x"))
     tb, tt = map(int, args.train.split("x"))
     batches = [int(b) for b in args.batches.split(",")]
+    native = fsdp.cpu_has_native_bf16()
+    dtypes = args.dtypes.split(",") if args.dtypes else ["float32"] + ["bfloat16"] * native
     rows = {}
-    for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+    for name in dtypes:
+        dt = getattr(torch, name)
         model, tok = load(args.checkpoint, "cpu", dt)
-        r = rows[name] = dict(prefill=prefill(model, pb, pt))
+        r = rows[name] = dict(prefill=warm(lambda: prefill(model, pb, pt)))
         for b in batches:
-            r[f"decode {b}"] = decode(model, tok, b, args.steps)
+            r[f"decode {b}"] = warm(lambda: decode(model, tok, b, args.steps))
         del model
         policy = load(args.checkpoint, "cpu", torch.float32)[0].train()
         if dt != torch.float32:  # evolve.py's path: a one-rank group, FSDP2 mixed precision
             fsdp.setup("cpu", name, policy.config.hidden_size)
             fsdp.shard(policy, dt)
-        r["grpo"] = grpo_pass(policy, tb, tt)
+        r["grpo"] = warm(lambda: grpo_pass(policy, tb, tt))
         del policy
         print(f"  {name}: {r}", file=sys.stderr, flush=True)
     cols = [f"prefill {pb}x{pt} tok/s"] + [f"decode batch {b} tok/s" for b in batches] + [f"GRPO pass {tb}x{tt} s"]
@@ -105,11 +119,15 @@ def main():
     print("| dtype | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols))
     for name, r in rows.items():
         print(f"| {name} | " + " | ".join(f"{r[k]:.1f}" if k != "grpo" else f"{r[k]:.2f}" for k in keys) + " |")
-    speed = [rows["bfloat16"][k] / rows["float32"][k] if k != "grpo" else rows["float32"][k] / rows["bfloat16"][k]
-             for k in keys]
-    print("| bfloat16 / float32 speed | " + " | ".join(f"{s:.2f}x" for s in speed) + " |")
+    if {"float32", "bfloat16"} <= rows.keys():
+        speed = [rows["bfloat16"][k] / rows["float32"][k] if k != "grpo" else rows["float32"][k] / rows["bfloat16"][k]
+                 for k in keys]
+        print("| bfloat16 / float32 speed | " + " | ".join(f"{s:.2f}x" for s in speed) + " |")
+    elif not native:
+        print("\nbfloat16 skipped: this CPU has no native bfloat16 (no avx512_bf16 / amx_bf16 in /proc/cpuinfo); "
+              "--dtypes=float32,bfloat16 runs it anyway")
     width = Qwen2Config.from_json(os.path.join(args.checkpoint, "config.json")).hidden_size
-    print(f"\nnative bfloat16 on this CPU: {fsdp.cpu_has_native_bf16()}; "
+    print(f"\nnative bfloat16 on this CPU: {native}; "
           f"dtype 'auto' picks {fsdp.device_and_dtype('cpu', 'auto', width)[1]} for this checkpoint")
 
 

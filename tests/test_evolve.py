@@ -171,7 +171,7 @@ def test_ablation_fork_is_the_run_from_scratch(micro, killed_and_resumed, tmp_pa
     assert p.returncode == 0, p.stderr[-3000:]
 
     def records(d):
-        return [{k: v for k, v in r.items() if k not in ("seconds", "state_bytes")}
+        return [{k: v for k, v in r.items() if k not in ("seconds", "rollout_seconds", "state_bytes")}
                 for r in map(json.loads, open(os.path.join(d, "metrics.jsonl")))]
     assert records(forked) == records(full)
     wa, wb = weights(full), weights(forked)

@@ -73,7 +73,8 @@ def test_two_ranks_ofsd_matches_one_process(steps, clip):
     """An OFSD round (LoRA on the sharded base, teacher pass with it off, merge) matches 1 process, each clip mode."""
     one, two = steps["one"], steps["two"]
     assert len(one["ofsd"][clip]["losses"]) == len(two["ofsd"][clip]["losses"]) > 0
-    assert max(abs(a - b) for a, b in zip(one["ofsd"][clip]["losses"], two["ofsd"][clip]["losses"])) < 1e-5
+    # float32 sums over 2 ranks in another order: 1.7e-5 apart on an AVX-512 CPU (2026-12-01), < 1e-5 on AVX2
+    assert max(abs(a - b) for a, b in zip(one["ofsd"][clip]["losses"], two["ofsd"][clip]["losses"])) < 5e-5
     assert max_diff(one["after_ofsd"][clip], two["after_ofsd"][clip]) < 5e-5
     before = one["after_grpo"] if clip == CLIPS[0] else one["after_ofsd"][CLIPS[CLIPS.index(clip) - 1]]
     assert max_diff(before, one["after_ofsd"][clip]) > 1e-3  # this round's merge changed the weights

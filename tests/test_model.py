@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from generate import extend, generate, new_cache, sample
+from generate import extend, generate, new_cache, sample, sample_turn
 
 from model import load, save
 from conftest import random_model, tiny_config
@@ -158,6 +158,32 @@ def test_stop_strings_and_ids(tiny_checkpoint, tokenizer):
     assert reasons[1] == "stop_id" and len(toks[1]) <= 4
 
 
+def test_turn_decodes_only_the_rows_still_going(tiny_checkpoint, tokenizer):
+    """Rows that never start or stop early leave the turn's forward; each row's tokens, logits and cache equal it alone."""
+    model, _ = load(tiny_checkpoint)
+    prompts = [tokenizer.encode(tokenizer.chat_prompt(q)) for q in
+               ["who founded Paris?", "which river", "Ada Lovelace was born where?", "a lake", "the mountain"]]
+    active = [True, False, True, False, False]  # 2 of 5 going: the forward moves them to the front at once
+    free = generate(model, tokenizer, prompts, 24, stop_ids=[])[0]  # greedy, no stops
+    stop = {free[2][2]}  # row 2 stops at its third token at the latest: row 0 is then decoded alone
+    cache = new_cache(model, 5, max(map(len, prompts)) + 24 + 2)
+    logits = extend(model, cache, prompts)
+    start = logits.clone()
+    toks, lps, reasons, after = sample_turn(model, tokenizer, cache, logits, active, 24, stop_ids=stop)
+    more = extend(model, cache, [[7, 8]] * 5, after)  # the cache rows are back in their places
+    for i, p in enumerate(prompts):
+        want = next((free[i][:j + 1] for j, t in enumerate(free[i]) if t in stop), free[i]) if active[i] else []
+        assert toks[i] == want and len(lps[i]) == len(want)
+        with torch.no_grad():
+            full = model(torch.tensor([p + toks[i] + [7, 8]]))[0]  # (T, V)
+        if active[i]:
+            assert (after[i] - full[-3]).abs().max() <= 1e-4
+        else:
+            assert torch.equal(after[i], start[i]) and reasons[i] is None
+        assert (more[i] - full[-1]).abs().max() <= 1e-4
+    assert len(toks[2]) <= 3 < len(toks[0])
+
+
 def test_save_roundtrip_and_sharded_load(tmp_path, tiny_checkpoint):
     """save -> load is exact; the same tensors split over two shards with an index load too."""
     model, tok = load(tiny_checkpoint)
@@ -221,3 +247,15 @@ def test_sampler_nucleus_beyond_its_candidates(monkeypatch, candidates):
         freq = torch.bincount(tok[r::2], minlength=len(logits)).double() / n
         assert (freq[~keep] == 0).all(), (candidates, r, freq)
         assert ((freq - want).abs() <= 5 * (want * (1 - want) / n).sqrt() + 1e-12).all(), (freq, want)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (1.0, 1.0), (1.0, 0.5)])
+def test_sampler_rows_draw_what_the_whole_batch_draws(temperature, top_p):
+    """sample(rows=): each listed row draws the token and log-prob it draws in the whole batch, and the generator ends alike."""
+    logits = torch.randn(9, 50, generator=torch.Generator().manual_seed(1)) * 3
+    rows = torch.tensor([7, 2, 3])
+    g_all, g_rows = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    tok, logp = sample(logits, temperature, top_p, g_all)
+    part, part_logp = sample(logits, temperature, top_p, g_rows, rows=rows)
+    assert torch.equal(part, tok[rows]) and torch.equal(part_logp, logp[rows])
+    assert torch.equal(g_all.get_state(), g_rows.get_state())
