@@ -229,7 +229,7 @@ def sample_turn(model, tokenizer, cache, logits, active, max_new_tokens, *, temp
         logits[going] = F.linear(h[fed, 0], model.lm_head_weight).float()  # (g, V)
     cache.length = work.length
     if n < B:  # every row back to its own place
-        cache.reorder([held.index(i) for i in range(B)])
+        cache.reorder(sorted(range(B), key=held.__getitem__))  # row i <- the cache row that holds i
     return toks, lps, reasons, logits
 
 
