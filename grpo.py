@@ -29,6 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import fsdp
 from model import pad_right
@@ -53,18 +54,32 @@ def pad_batch(trajs, pad_id, device):
     return ids, valid, mask, old
 
 
-def token_logprobs(model, ids, valid, mask, temperature, entropy=False):
+HEAD_CHUNK = 512  # loss positions per LM-head chunk: a (512, V) float32 block at a time (memory, not results)
+
+
+def _head(h, weight, targets, temperature):
+    """One chunk of the LM head: (C, d) hidden states -> log p(target) and the entropy, each (C,)."""
+    log_p = torch.log_softmax(F.linear(h, weight).float() / temperature, -1)  # (C, V)
+    return log_p.gather(-1, targets[:, None]).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
+
+
+def token_logprobs(model, ids, valid, mask, temperature, entropy=False, chunk=HEAD_CHUNK):
     """log softmax(logits / temperature) of each token where mask is 1: (n_masked,); with
     entropy=True also the entropy -sum_v p log p of each of those distributions: (n_masked,).
 
-    Logits are computed only at the masked positions (the (B, T, V) tensor is never built).
+    Logits are computed only at the masked positions, `chunk` rows at a time; with gradients
+    each chunk is recomputed in backward (activation checkpointing), so autograd keeps no (n, V)
+    tensor: at a real vocabulary (151,936) and 3,000 loss tokens that would be 1.8 GB per copy.
     """
     pred = mask[:, 1:]  # token t is predicted from position t - 1
     h_sel = model.hidden(ids, valid=valid, select=F.pad(pred, (0, 1)))  # (n, d)
-    logits = F.linear(h_sel, model.lm_head_weight).float() / temperature  # (n, V)
-    log_p = torch.log_softmax(logits, -1)  # (n, V)
-    logp = log_p.gather(-1, ids[:, 1:][pred][:, None]).squeeze(-1)  # (n,)
-    return (logp, -(log_p.exp() * log_p).sum(-1)) if entropy else logp
+    targets = ids[:, 1:][pred]  # (n,)
+    weight, parts = model.lm_head_weight, []
+    for c in range(0, len(targets), chunk):
+        args = (h_sel[c:c + chunk], weight, targets[c:c + chunk], temperature)
+        parts.append(checkpoint(_head, *args, use_reentrant=False) if torch.is_grad_enabled() else _head(*args))
+    logp, ent = (torch.cat(x) for x in zip(*parts)) if parts else (h_sel.new_zeros(0).float(),) * 2  # (n,)
+    return (logp, ent) if entropy else logp
 
 
 def grpo_token_loss(logp, old_logp, kl_logp, adv, clip_ratio, kl_coef, entropy=None, entropy_coef=0.0):

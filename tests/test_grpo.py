@@ -116,3 +116,23 @@ def test_kl_term_against_a_moved_kl_model(agent, tokenizer, search_index):
                      entropy_coef=0.0, temperature=1.0, max_grad_norm=1.0, pad_id=0)
     assert abs(m["kl"] - want) <= 1e-5 * max(1.0, want)
     assert abs(m["loss"] - (m["pg"] + 0.5 * m["kl"])) <= 1e-6
+
+
+def test_chunked_head_matches_full_logits(agent, tokenizer, search_index):
+    """token_logprobs over LM-head chunks of 7 rows (each recomputed in backward) gives the log-probs,
+    entropies and parameter gradients of one float64 log-softmax over the full (B, T, V) logits."""
+    trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION, "Ada"], G=2, temperature=1.0,
+                generator=torch.Generator().manual_seed(3))
+    ids, valid, mask, _ = grpo.pad_batch(trajs, 0, "cpu")
+    pred = mask[:, 1:]
+    assert pred.sum() > 3 * 7  # several chunks, the last one partial
+    models = [copy.deepcopy(agent).double(), copy.deepcopy(agent)]
+    w = torch.linspace(-1, 1, int(pred.sum()), dtype=torch.float64)  # a loss that weighs every token
+    ref = torch.log_softmax(models[0](ids, valid=valid)[:, :-1] / 0.8, -1)  # (B, T-1, V)
+    ref_lp, ref_ent = ref.gather(-1, ids[:, 1:, None])[..., 0][pred], -(ref.exp() * ref).sum(-1)[pred]  # (n,)
+    (w @ ref_lp + w @ ref_ent).backward()
+    lp, ent = grpo.token_logprobs(models[1], ids, valid, mask, 0.8, entropy=True, chunk=7)
+    (w.float() @ lp + w.float() @ ent).backward()
+    assert torch.allclose(lp.double(), ref_lp, atol=1e-5) and torch.allclose(ent.double(), ref_ent, atol=1e-5)
+    for (name, p64), p32 in zip(models[0].named_parameters(), models[1].parameters()):
+        assert (p32.grad.double() - p64.grad).abs().max() <= 2e-5 * p64.grad.abs().max(), name  # float32 sums
