@@ -224,6 +224,7 @@ def main():
             checkpoint.write_atomic(os.path.join(out_dir, "curves.svg"), curves_svg({out_dir: [state["results"]]}))
         state["done"] = r + 1
         checkpoint.save_checkpoint(ckpt_dir, policy, tokenizer, optimizer, rng, gen, dict(state, config=config), rank)
+        fsdp.trim_host_memory()  # the checkpoint's serialized copies (gigabytes for a real model)
 
     if master:
         table = results_table(state["results"])

@@ -154,6 +154,7 @@ def grpo_round(policy, kl_model, optimizer, tokenizer, index, next_questions, *,
             trajs = rollout(policy, tokenizer, index, [q["question"] for q in questions], group_size,
                             generator=generator, **rollout_args)
         rollout_seconds = time.time() - t0
+        fsdp.trim_host_memory()  # the rollout's KV cache and gathered weights, before training
         rewards = em_rewards(trajs, questions, group_size)
         advantages = group_advantages(rewards, group_size).tolist()
         for g in optimizer.param_groups:
