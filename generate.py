@@ -67,9 +67,13 @@ class KVCache:
     def front(self, n):
         """A cache over rows 0..n-1 of this one: views of the same buffers, so what the model appends
         to it lands here (then set this cache's `length` to the front's)."""
+        return KVCache._of(self.k[:, :n], self.v[:, :n], self.valid[:n], self.next_pos[:n], self.length)
+
+    @staticmethod
+    def _of(k, v, valid, next_pos, length):
+        """A cache over the given tensors (views of another cache's, or new ones)."""
         new = object.__new__(KVCache)
-        new.k, new.v, new.valid, new.next_pos = self.k[:, :n], self.v[:, :n], self.valid[:n], self.next_pos[:n]
-        new.length = self.length
+        new.k, new.v, new.valid, new.next_pos, new.length = k, v, valid, next_pos, length
         return new
 
     def reorder(self, order):
@@ -92,16 +96,14 @@ class KVCache:
 
     def repeat_rows(self, g):
         """A cache of B*g rows where rows b*g .. b*g+g-1 are copies of row b (the GRPO group)."""
-        new = object.__new__(KVCache)
+        L, B, H, S, D = self.k.shape
         n = self.length
-        new.k = torch.zeros_like(self.k.repeat_interleave(g, dim=1))
-        new.v = torch.zeros_like(new.k)
-        new.k[:, :, :, :n] = self.k[:, :, :, :n].repeat_interleave(g, dim=1)  # (L, B*g, H, n, D)
-        new.v[:, :, :, :n] = self.v[:, :, :, :n].repeat_interleave(g, dim=1)
-        new.valid = self.valid.repeat_interleave(g, dim=0)  # (B*g, S)
-        new.next_pos = self.next_pos.repeat_interleave(g, dim=0)  # (B*g,)
-        new.length = n
-        return new
+        k = self.k.new_zeros(L, B * g, H, S, D)  # (L, B*g, H, S, D): only the used slots are copied
+        v = self.v.new_zeros(L, B * g, H, S, D)
+        k[:, :, :, :n] = self.k[:, :, :, :n].repeat_interleave(g, dim=1)  # (L, B*g, H, n, D)
+        v[:, :, :, :n] = self.v[:, :, :, :n].repeat_interleave(g, dim=1)
+        return KVCache._of(k, v, self.valid.repeat_interleave(g, dim=0),  # (B*g, S)
+                           self.next_pos.repeat_interleave(g, dim=0), n)  # (B*g,)
 
 
 def new_cache(model, batch, max_len):
