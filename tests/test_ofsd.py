@@ -1,6 +1,8 @@
 """ofsd.py: pair mining rules, teacher/student conditioning, and the OFSD round on a real model."""
 
 import copy
+import os
+import sys
 
 import pytest
 import torch
@@ -271,3 +273,29 @@ def test_pair_stats_report_the_true_kl(agent, tokenizer, search_index):
                       ("p_top", sum(p.mean() for _, _, p in ref) / 2)):
         assert abs(got[key] - want.item()) <= 1e-5 * max(1.0, abs(want.item())), key
     assert got["kl_true"] > got["loss"]  # the clip acted
+
+
+def test_rft_control_fits_tau_ref_and_merges(agent, tokenizer, search_index):
+    """bench_real_ofsd's RFT control: its loss is each tau_ref's mean -log p over its policy tokens
+    (float64 full forward), the round lowers it, and it leaves a plain Qwen2 with moved weights."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import bench_real_ofsd
+    trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION, "Ada"], G=2, temperature=1.0,
+                generator=torch.Generator().manual_seed(5))
+    pairs = [ofsd.Pair(trajs[0], trajs[1], True), ofsd.Pair(trajs[2], trajs[3], True)]
+    refs = [p.ref for p in pairs]
+    want = 0.0
+    for t in refs:
+        ids = torch.tensor([t.tokens])
+        logp = torch.log_softmax(copy.deepcopy(agent).double()(ids)[0, :-1], -1)  # (T-1, V)
+        mask = torch.tensor(t.loss_mask[1:]).bool()  # position p predicts token p + 1
+        want -= logp.gather(-1, ids[0, 1:, None])[:, 0][mask].mean().item() / len(refs)
+    model = copy.deepcopy(agent)
+    with torch.no_grad():
+        assert abs(bench_real_ofsd.tau_ref_nll(model, refs, 0).item() - want) <= 1e-5
+    torch.manual_seed(0)
+    m = bench_real_ofsd.rft(model, pairs, lora_rank=4, lora_alpha=8, lora_lr=1e-2, lora_epochs=3,
+                            ofsd_micro_batch=1, max_grad_norm=1.0, seed=0, pad_id=0)
+    assert m["nll_after"] < m["nll_before"] and len(m["losses"]) == 6
+    assert not lora._wrapped(model) and set(dict(model.named_parameters())) == set(dict(agent.named_parameters()))
+    assert any((p - q).abs().max() > 0 for p, q in zip(model.parameters(), agent.parameters()))

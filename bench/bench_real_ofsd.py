@@ -1,0 +1,235 @@
+"""One OFSD round on a checkpoint, each clip mode against the RFT control and no round at all, over
+mining seeds: the experiment docs/ablation.md declares for the real 0.5B (#34 items 3 and 4).
+
+For each mining seed s: `--questions` train questions drawn with random.Random(s), G rollouts each
+at the loop's sampling settings (a generator seeded s), one pair mined per question with a correct
+sample (ofsd.mine, the paper's rule), and the round's diagnostics before (ofsd.mined_diagnostics:
+greedy EM on the mined questions from the teacher and the student view, disagreement, true KL by
+segment). Then each arm, from a fresh copy of the checkpoint, on exactly those pairs:
+    none-round     no round: the checkpoint itself (greedy, so evaluated once for every seed)
+    ofsd-<clip>    ofsd.distill with ofsd_clip = vocab, position or none, the adapter merged
+    rft            the same LoRA round minimising the NLL of tau_ref's own policy tokens in the
+                   student view, each pair's mean over its tokens (rejection-sampling fine-tuning:
+                   learning from the successful sibling without a teacher), the adapter merged
+and after it greedy EM on the mined questions (student view) and on the first `--test` test
+questions, which no arm mines or trains on (per type, searches per question). The weights are
+float32 with bfloat16 compute where `--dtype=auto` picks it (FSDP2 on one rank, as evolve.py).
+Every arm of a seed starts its adapter from the same torch seed. Prints one line per arm and seed,
+the table (mean [lowest, highest seed]) and the declared rule's verdict: arm A gains over B only
+if A's mean test EM beats B's by more than the larger seed range, or A's worst seed beats B's best.
+Writes a JSON line per arm and seed to --out and a chart (test EM per arm, a dot per seed).
+
+Left out: the alternating loop (evolve.py runs it), more than one round.
+
+    python bench/bench_real_ofsd.py --checkpoint runs/grpo05/checkpoint/model --seeds 0,1,2 \\
+        --max_turn_tokens=200 --top_p=0.95 --rollout_rows=160 --out runs/real_ofsd.jsonl
+"""
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from eval import evaluate, read_questions, summarize  # noqa: E402
+from evolve import DEFAULTS  # noqa: E402  (the loop's settings as written)
+import fsdp  # noqa: E402
+import grpo  # noqa: E402
+import lora  # noqa: E402
+import ofsd  # noqa: E402
+import retriever  # noqa: E402
+import toyagent  # noqa: E402
+from model import Qwen2Config, load  # noqa: E402
+from rollout import rollout  # noqa: E402
+
+ARMS = ("none-round", "ofsd-vocab", "ofsd-position", "ofsd-none", "rft")
+PROTOCOL = ("max_turns", "max_turn_tokens", "max_obs_tokens", "top_k", "rollout_rows")
+ROUND = ("lora_rank", "lora_alpha", "lora_lr", "lora_epochs", "ofsd_micro_batch", "tau_clip", "max_grad_norm", "kl_chunk")
+
+
+def policy(folder, dev, dt):
+    """The checkpoint in float32, sharded for bfloat16 compute when a process group is up (fsdp.setup)."""
+    model, tok = load(folder, dev, torch.float32)
+    if dist.is_initialized():
+        fsdp.shard(model, dt)
+    return model, tok
+
+
+def tau_ref_nll(model, refs, pad_id):
+    """Mean over the trajectories of each one's mean -log p of its policy tokens: (), differentiable."""
+    ids, valid, mask, _ = grpo.pad_batch(refs, pad_id, model.model.embed_tokens.weight.device)  # (B, T) each
+    logp = grpo.token_logprobs(model, ids, valid, mask, 1.0)  # (n,) row-major
+    counts = mask[:, 1:].sum(1)  # (B,) policy tokens of each trajectory
+    w = torch.repeat_interleave(1.0 / (counts.float() * len(refs)), counts)  # (n,)
+    return -(w * logp).sum()
+
+
+def rft(model, pairs, *, lora_rank, lora_alpha, lora_lr, lora_epochs, ofsd_micro_batch, max_grad_norm, seed, pad_id):
+    """The control: ofsd.distill's LoRA round (the same adapter, optimizer, batches and order) on
+    the NLL of tau_ref in the student view instead of the teacher's KL, then merge."""
+    refs = [p.ref for p in pairs if sum(p.ref.loss_mask)]
+    metrics = dict(pairs=len(pairs), incorrect_students=sum(p.incorrect for p in pairs), losses=[])
+    if not refs:
+        return metrics
+    params = lora.attach(model, lora_rank, lora_alpha)
+    opt = torch.optim.AdamW(params, lr=lora_lr, weight_decay=0.0)
+    with torch.no_grad():
+        metrics["nll_before"] = tau_ref_nll(model, refs, pad_id).item()
+    rng = random.Random(seed)
+    for _ in range(lora_epochs):
+        order = list(range(len(refs)))
+        rng.shuffle(order)
+        for s in range(0, len(order), ofsd_micro_batch):
+            loss = tau_ref_nll(model, [refs[i] for i in order[s:s + ofsd_micro_batch]], pad_id)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+            opt.step()
+            metrics["losses"].append(loss.item())
+    with torch.no_grad():
+        metrics["nll_after"] = tau_ref_nll(model, refs, pad_id).item()
+    fsdp.reshard(model)
+    lora.merge(model)
+    return metrics
+
+
+def test_em(model, tok, index, test, protocol, batch):
+    with fsdp.gathered(model):
+        return summarize(evaluate(model, tok, index, test, batch=batch, **protocol), "type")
+
+
+def stats(vals):
+    return sum(vals) / len(vals), min(vals), max(vals)
+
+
+def cell(vals):
+    m, lo, hi = stats(vals)
+    return f"{m:.3f} [{lo:.2f}, {hi:.2f}]"
+
+
+def verdict(name, em, other, base):
+    margin = max(max(em) - min(em), max(base) - min(base))
+    gain = stats(em)[0] - stats(base)[0] > margin or min(em) > max(base)
+    return (f"  {name} over {other}: {stats(em)[0]:.3f} against {stats(base)[0]:.3f}, difference "
+            f"{stats(em)[0] - stats(base)[0]:+.3f}, margin {margin:.3f}; worst seed {min(em):.3f} vs best "
+            f"{max(base):.3f}: {'GAIN' if gain else 'no gain'}")
+
+
+def chart_svg(ems):
+    """Test EM per arm, one dot per seed and a bar at the mean, as an SVG string written by hand."""
+    W, H, left, top, bottom = 120 + 110 * len(ems), 260, 50, 20, 40
+    y = lambda v: top + (1 - v) * (H - top - bottom)  # noqa: E731
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="11">',
+           f'<line x1="{left}" y1="{y(0)}" x2="{W - 10}" y2="{y(0)}" stroke="black"/>']
+    for v in (0, 0.25, 0.5, 0.75, 1.0):
+        out.append(f'<text x="{left - 30}" y="{y(v) + 4}">{v:.2f}</text>'
+                   f'<line x1="{left}" y1="{y(v)}" x2="{W - 10}" y2="{y(v)}" stroke="#ddd"/>')
+    for i, (arm, vals) in enumerate(ems.items()):
+        x = left + 50 + 110 * i
+        out.append(f'<line x1="{x - 25}" y1="{y(stats(vals)[0])}" x2="{x + 25}" y2="{y(stats(vals)[0])}" '
+                   f'stroke="#1f77b4" stroke-width="3"/>')
+        out += [f'<circle cx="{x - 15 + 30 * j / max(1, len(vals) - 1)}" cy="{y(v)}" r="3" fill="#d62728"/>'
+                for j, v in enumerate(vals)]
+        out.append(f'<text x="{x - 30}" y="{H - 20}">{arm}</text>')
+    out.append(f'<text x="{left}" y="{H - 5}">greedy test EM after one round (bar: mean over seeds; dots: seeds)</text>')
+    return "\n".join(out + ["</svg>"]) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--checkpoint", required=True, help="the policy the round starts from (a model folder)")
+    ap.add_argument("--seeds", default="0,1,2", help="mining seeds, comma-separated")
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--world_dir", default=DEFAULTS["world_dir"])
+    ap.add_argument("--questions", type=int, default=128, help="train questions rolled out to mine, per seed")
+    ap.add_argument("--test", type=int, default=128, help="held-out test questions (the first N)")
+    ap.add_argument("--group_size", type=int, default=DEFAULTS["group_size"])
+    for k in PROTOCOL + ("temperature", "top_p", "eval_batch") + ROUND:
+        ap.add_argument(f"--{k}", type=type(DEFAULTS[k]), default=DEFAULTS[k])
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    ap.add_argument("--out", default="", help="JSON lines, one per arm and seed")
+    ap.add_argument("--chart", default="", help="an SVG chart of test EM per arm")
+    args = ap.parse_args()
+    arms = args.arms.split(",")
+    if set(arms) - set(ARMS):
+        sys.exit(f"unknown arms {sorted(set(arms) - set(ARMS))}; known: {', '.join(ARMS)}")
+    world_dir, _ = toyagent.ensure(args.world_dir, DEFAULTS["world_seed"], DEFAULTS["top_k"])
+    index = retriever.load_index(os.path.join(world_dir, "index"))
+    train = read_questions(os.path.join(world_dir, "train.jsonl"))
+    test = read_questions(os.path.join(world_dir, "test.jsonl"), args.test)
+    width = Qwen2Config.from_json(os.path.join(args.checkpoint, "config.json")).hidden_size
+    _, _, dev, dt = fsdp.setup("auto", args.dtype, width)
+    protocol = {k: getattr(args, k) for k in PROTOCOL}
+    rollout_args = dict(protocol, temperature=args.temperature, top_p=args.top_p)
+    round_args = {k: getattr(args, k) for k in ROUND}
+    print(f"{args.checkpoint} | {dt} | {len(test)} test questions | {rollout_args} | {round_args}", flush=True)
+    rows, baseline = [], None
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        t0 = time.time()
+        model, tok = policy(args.checkpoint, dev, dt)
+        questions = random.Random(seed).sample(train, min(args.questions, len(train)))
+        with torch.no_grad():
+            trajs = rollout(model, tok, index, [q["question"] for q in questions], args.group_size,
+                            generator=torch.Generator(device=dev).manual_seed(seed), **rollout_args)
+        mined = ofsd.mine(trajs, questions, args.group_size)
+        before = ofsd.mined_diagnostics(model, tok, index, mined, rollout_args, args.kl_chunk) if mined else {}
+        print(f"seed {seed} | mined {len(mined)} of {len(questions)} | teacher_em {before.get('teacher_em')} | "
+              f"student_em {before.get('student_em')} | {time.time() - t0:.0f}s", flush=True)
+        for arm in arms:
+            t1 = time.time()
+            model, tok = policy(args.checkpoint, dev, dt)  # every arm from the checkpoint as written
+            torch.manual_seed(seed)  # the adapter's initialisation, the same for every arm of a seed
+            if arm == "rft":
+                m = rft(model, mined, seed=seed, pad_id=tok.pad_id,
+                        **{k: v for k, v in round_args.items() if k not in ("tau_clip", "kl_chunk")})
+            elif arm.startswith("ofsd-"):
+                m = ofsd.distill(model, tok, mined, ofsd_clip=arm[len("ofsd-"):], seed=seed, **round_args)
+            else:
+                m = {}
+            if arm != "none-round" and mined:
+                m.update(ofsd.split_em("mined_em_after", ofsd.greedy_em(model, tok, index, mined, rollout_args), mined))
+            if arm == "none-round" and baseline is not None:
+                summary = baseline
+            else:
+                summary = test_em(model, tok, index, test, protocol, args.eval_batch)
+            baseline = summary if arm == "none-round" else baseline
+            row = dict(seed=seed, arm=arm, mined=len(mined), before=before, test=summary,
+                       round={k: v for k, v in m.items() if k != "losses"}, losses=m.get("losses", []),
+                       seconds=time.time() - t1)
+            rows.append(row)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+            print(f"seed {seed} | {arm} | test EM {summary['all']['em']:.3f} | searches {summary['all']['searches']:.2f} "
+                  f"| mined_em_after {m.get('mined_em_after')} | kl_true {m.get('kl_true_before')} -> "
+                  f"{m.get('kl_true_after')} | {row['seconds']:.0f}s", flush=True)
+    types = sorted({t for r in rows for t in r["test"] if t != "all"})
+    print("\n| arm | test EM | " + " | ".join(types) + " | searches/q | mined EM after |")
+    print("|---|---|" + "---|" * len(types) + "---|---|")
+    ems = {}
+    for arm in arms:
+        rs = [r for r in rows if r["arm"] == arm]
+        ems[arm] = [r["test"]["all"]["em"] for r in rs]
+        after = [r["round"].get("mined_em_after", r["before"].get("student_em")) for r in rs]
+        after = [a for a in after if a is not None]
+        print(f"| {arm} | {cell(ems[arm])} | " + " | ".join(cell([r["test"][t]["em"] for r in rs]) for t in types)
+              + f" | {cell([r['test']['all']['searches'] for r in rs])} | {cell(after) if after else '-'} |")
+    print("\nthe rule, on test EM:")
+    for arm in arms:
+        for other in ("rft", "none-round"):
+            if arm.startswith("ofsd-") and other in ems:
+                print(verdict(arm, ems[arm], other, ems[other]))
+    if "rft" in ems and "none-round" in ems:
+        print(verdict("rft", ems["rft"], "none-round", ems["none-round"]))
+    if args.chart:
+        with open(args.chart, "w") as f:
+            f.write(chart_svg(ems))
+
+
+if __name__ == "__main__":
+    main()
