@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_ablation import cell, stats  # noqa: E402  (mean [lowest, highest seed])
 from eval import evaluate, read_questions, summarize  # noqa: E402
 from evolve import DEFAULTS  # noqa: E402  (the loop's settings as written)
 import fsdp  # noqa: E402
@@ -101,15 +102,6 @@ def rft(model, pairs, *, lora_rank, lora_alpha, lora_lr, lora_epochs, ofsd_micro
 def test_em(model, tok, index, test, protocol, batch):
     with fsdp.gathered(model):
         return summarize(evaluate(model, tok, index, test, batch=batch, **protocol), "type")
-
-
-def stats(vals):
-    return sum(vals) / len(vals), min(vals), max(vals)
-
-
-def cell(vals):
-    m, lo, hi = stats(vals)
-    return f"{m:.3f} [{lo:.2f}, {hi:.2f}]"
 
 
 def verdict(name, em, other, base):
