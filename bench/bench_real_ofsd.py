@@ -169,11 +169,14 @@ def main():
             trajs = rollout(model, tok, index, [q["question"] for q in questions], args.group_size,
                             generator=torch.Generator(device=dev).manual_seed(seed), **rollout_args)
         mined = ofsd.mine(trajs, questions, args.group_size)
+        del trajs  # the pairs keep their two trajectories each
         before = ofsd.mined_diagnostics(model, tok, index, mined, rollout_args, args.kl_chunk) if mined else {}
         print(f"seed {seed} | mined {len(mined)} of {len(questions)} | teacher_em {before.get('teacher_em')} | "
               f"student_em {before.get('student_em')} | {time.time() - t0:.0f}s", flush=True)
         for arm in arms:
             t1 = time.time()
+            model = None  # one model at a time: the last arm's goes before the next is read
+            fsdp.trim_host_memory()
             model, tok = policy(args.checkpoint, dev, dt)  # every arm from the checkpoint as written
             torch.manual_seed(seed)  # the adapter's initialisation, the same for every arm of a seed
             if arm == "rft":
