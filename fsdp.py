@@ -17,7 +17,8 @@ Generation is many small forward passes: `gathered(model)` all-gathers the weigh
 whole rollout batch (or evaluation), keeps them through every step, and frees them after.
 Checkpoints: `full_state_dict` gathers the model on rank 0 (written in Hugging Face format), the
 optimizer is saved per rank with torch.distributed.checkpoint (`save_optimizer` / `load_optimizer`).
-`state_bytes` reports what each rank holds.
+`state_bytes` reports what each rank holds. `trim_host_memory` hands the memory glibc keeps freed
+back to the OS (evolve.py calls it after each checkpoint, grpo_round after each rollout).
 
 Left out: CPU offload of parameters or optimizer state, tensor or sequence parallelism, hybrid
 sharding across nodes (a 2-D device mesh), float8.
