@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_ablation import cell, stats  # noqa: E402  (mean [lowest, highest seed])
+from bench_teacher import PROTOCOL  # noqa: E402  (the rollout settings a mining run takes)
 from eval import evaluate, read_questions, summarize  # noqa: E402
 from evolve import DEFAULTS  # noqa: E402  (the loop's settings as written)
 import fsdp  # noqa: E402
@@ -49,7 +50,6 @@ from model import Qwen2Config, load  # noqa: E402
 from rollout import rollout  # noqa: E402
 
 ARMS = ("none-round", "ofsd-vocab", "ofsd-position", "ofsd-none", "rft")
-PROTOCOL = ("max_turns", "max_turn_tokens", "max_obs_tokens", "top_k", "rollout_rows")
 ROUND = ("lora_rank", "lora_alpha", "lora_lr", "lora_epochs", "ofsd_micro_batch", "tau_clip", "max_grad_norm", "kl_chunk")
 
 
@@ -141,7 +141,7 @@ def main():
     ap.add_argument("--questions", type=int, default=128, help="train questions rolled out to mine, per seed")
     ap.add_argument("--test", type=int, default=128, help="held-out test questions (the first N)")
     ap.add_argument("--group_size", type=int, default=DEFAULTS["group_size"])
-    for k in PROTOCOL + ("temperature", "top_p", "eval_batch") + ROUND:
+    for k in PROTOCOL + ("eval_batch",) + ROUND:
         ap.add_argument(f"--{k}", type=type(DEFAULTS[k]), default=DEFAULTS[k])
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     ap.add_argument("--out", default="", help="JSON lines, one per arm and seed")
@@ -156,8 +156,8 @@ def main():
     test = read_questions(os.path.join(world_dir, "test.jsonl"), args.test)
     width = Qwen2Config.from_json(os.path.join(args.checkpoint, "config.json")).hidden_size
     _, _, dev, dt = fsdp.setup("auto", args.dtype, width)
-    protocol = {k: getattr(args, k) for k in PROTOCOL}
-    rollout_args = dict(protocol, temperature=args.temperature, top_p=args.top_p)
+    rollout_args = {k: getattr(args, k) for k in PROTOCOL}
+    protocol = {k: v for k, v in rollout_args.items() if k not in ("temperature", "top_p")}  # greedy eval's
     round_args = {k: getattr(args, k) for k in ROUND}
     print(f"{args.checkpoint} | {dt} | {len(test)} test questions | {rollout_args} | {round_args}", flush=True)
     rows, baseline = [], None
