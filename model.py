@@ -159,7 +159,7 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_head != self.n_kv)
         else:  # each key-value head's G query heads folded into its rows (query head h reads key-value
             # head h // G), so K and V are read once per key-value head, not repeated per query head;
-            # the mask comes folded the same way from Qwen2.hidden: (B, 1, G*T, S)
+            # the mask comes folded the same way from Qwen2.hidden, additive (0 or -inf): (B, 1, G*T, S)
             qf = q.reshape(B, self.n_kv, -1, self.head_dim)  # (B, Hkv, G*T, D), row g*T + t
             y = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask).view(B, self.n_head, T, self.head_dim)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # y: (B, H, T, D)
@@ -253,6 +253,8 @@ class Qwen2(nn.Module):
 
         cfg = self.config
         x = self.model.embed_tokens(input_ids)  # (B, T, d)
+        if mask is not None:  # additive, in the compute dtype, once: SDPA converts a boolean mask on every call
+            mask = torch.zeros((), dtype=x.dtype, device=dev).masked_fill(~mask, float("-inf"))  # (B, 1, G*T, S)
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=dev).float() / cfg.head_dim))
         freqs = positions[:, :, None].float() * inv_freq  # (B, T, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D)
