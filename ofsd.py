@@ -252,29 +252,44 @@ def distill(model, tokenizer, pairs, *, lora_rank, lora_alpha, lora_lr, lora_epo
         return metrics
     params = lora.attach(model, lora_rank, lora_alpha)
     broadcast(params)  # every rank trains the same adapter on the same pairs (it is small)
-    opt = torch.optim.AdamW(params, lr=lora_lr, weight_decay=0.0)
     before = pair_stats(model, data, tau_clip, ofsd_clip, ofsd_micro_batch, kl_chunk)
-    rng = random.Random(seed)
+    loss = lambda m, batch: pair_loss(m, batch, tau_clip, ofsd_clip, kl_chunk)  # noqa: E731
+    metrics["losses"] = fit_adapter(model, params, data, loss, lora_lr=lora_lr, lora_epochs=lora_epochs,
+                                    micro_batch=ofsd_micro_batch, max_grad_norm=max_grad_norm, seed=seed, log=log)
+    after = pair_stats(model, data, tau_clip, ofsd_clip, ofsd_micro_batch, kl_chunk)
+    metrics.update({f"{k}_{when}": v for when, d in (("before", before), ("after", after)) for k, v in d.items()})
+    merge_adapter(model, params)
+    return metrics
+
+
+def fit_adapter(model, params, data, batch_loss, *, lora_lr, lora_epochs, micro_batch, max_grad_norm, seed, log=None):
+    """AdamW on the adapter `params`: `lora_epochs` passes over `data` in an order shuffled by
+    random.Random(seed), one step per `micro_batch` items minimising batch_loss(model, items), the
+    gradient norm clipped at max_grad_norm. `log(epoch, step, loss)` after every step. Returns the losses."""
+    opt = torch.optim.AdamW(params, lr=lora_lr, weight_decay=0.0)
+    rng, losses = random.Random(seed), []
     for epoch in range(lora_epochs):
         order = list(range(len(data)))
         rng.shuffle(order)
-        for s in range(0, len(order), ofsd_micro_batch):
-            loss = pair_loss(model, [data[i] for i in order[s:s + ofsd_micro_batch]], tau_clip, ofsd_clip, kl_chunk)
+        for s in range(0, len(order), micro_batch):
+            loss = batch_loss(model, [data[i] for i in order[s:s + micro_batch]])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
             opt.step()
-            metrics["losses"].append(loss.item())
+            losses.append(loss.item())
             if log:
-                log(epoch, len(metrics["losses"]), loss.item())
-    after = pair_stats(model, data, tau_clip, ofsd_clip, ofsd_micro_batch, kl_chunk)
-    metrics.update({f"{k}_{when}": v for when, d in (("before", before), ("after", after)) for k, v in d.items()})
+                log(epoch, len(losses), loss.item())
+    return losses
+
+
+def merge_adapter(model, params):
+    """Merge the trained adapter into the base weights, the same on every rank."""
     broadcast(params)  # guard against non-deterministic kernels: rank 0's adapter for all
     fsdp.reshard(model)  # a sharded base takes each rank's slice of the merged update
     lora.merge(model)
     for p in model.parameters():
         p.requires_grad_(True)
-    return metrics
 
 
 @torch.no_grad()

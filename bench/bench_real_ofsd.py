@@ -78,24 +78,14 @@ def rft(model, pairs, *, lora_rank, lora_alpha, lora_lr, lora_epochs, ofsd_micro
     if not refs:
         return metrics
     params = lora.attach(model, lora_rank, lora_alpha)
-    opt = torch.optim.AdamW(params, lr=lora_lr, weight_decay=0.0)
     with torch.no_grad():
         metrics["nll_before"] = tau_ref_nll(model, refs, pad_id).item()
-    rng = random.Random(seed)
-    for _ in range(lora_epochs):
-        order = list(range(len(refs)))
-        rng.shuffle(order)
-        for s in range(0, len(order), ofsd_micro_batch):
-            loss = tau_ref_nll(model, [refs[i] for i in order[s:s + ofsd_micro_batch]], pad_id)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-            opt.step()
-            metrics["losses"].append(loss.item())
+    metrics["losses"] = ofsd.fit_adapter(model, params, refs, lambda m, batch: tau_ref_nll(m, batch, pad_id),
+                                         lora_lr=lora_lr, lora_epochs=lora_epochs, micro_batch=ofsd_micro_batch,
+                                         max_grad_norm=max_grad_norm, seed=seed)
     with torch.no_grad():
         metrics["nll_after"] = tau_ref_nll(model, refs, pad_id).item()
-    fsdp.reshard(model)
-    lora.merge(model)
+    ofsd.merge_adapter(model, params)
     return metrics
 
 
