@@ -122,6 +122,7 @@ def save_checkpoint(ckpt_dir, policy, tokenizer, optimizer, rng, gen, state, ran
     barrier()
     if rank == 0:
         if os.path.exists(ckpt_dir):
+            shutil.rmtree(ckpt_dir + ".old", ignore_errors=True)  # what a kill left of the last swap's cleanup
             os.replace(ckpt_dir, ckpt_dir + ".old")
         os.replace(tmp, ckpt_dir)
         shutil.rmtree(ckpt_dir + ".old", ignore_errors=True)

@@ -363,6 +363,7 @@ def save(model, tokenizer, path, state=None, also=()):
     tokenizer.save(os.path.join(tmp, "tokenizer.json"))
     old = path.rstrip("/") + ".old"
     if os.path.exists(path):
+        shutil.rmtree(old, ignore_errors=True)  # what a kill left of the last save's cleanup
         os.replace(path, old)
     os.replace(tmp, path)
     shutil.rmtree(old, ignore_errors=True)

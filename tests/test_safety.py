@@ -2,13 +2,15 @@
 
 import json
 import os
+import random
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+import torch
 
-from checkpoint import RUN_MARKER, keep_first_lines
+from checkpoint import RUN_MARKER, keep_first_lines, save_checkpoint
 from eval import read_questions
 from model import load, save
 from index_build import build_index
@@ -220,6 +222,31 @@ def test_save_refuses_a_folder_of_user_files(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="not a checkpoint's"):
         save(random_model(tiny_config()), tokenizer, str(tmp_path))
     assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
+def test_save_over_a_half_removed_old_folder(tmp_path, tokenizer):
+    """A kill inside the last save's cleanup leaves a partial .old beside the new folder; the next save succeeds."""
+    path = str(tmp_path / "model")
+    save(random_model(tiny_config(), seed=0), tokenizer, path)
+    os.makedirs(path + ".old")
+    (tmp_path / "model.old" / "config.json").write_text("{}")  # what rmtree had not removed yet
+    model = random_model(tiny_config(), seed=1)
+    save(model, tokenizer, path)
+    assert not os.path.exists(path + ".old")
+    assert torch.equal(load(path)[0].lm_head_weight, model.lm_head_weight)
+
+
+def test_checkpoint_over_a_half_removed_old_folder(tmp_path, tokenizer):
+    """The same for a run's checkpoint: save_checkpoint swaps in the new one and the stale .old goes."""
+    ckpt = str(tmp_path / "checkpoint")
+    model = random_model(tiny_config())
+    opt = torch.optim.AdamW(model.parameters())
+    for done in (1, 2):
+        if done == 2:
+            os.makedirs(os.path.join(ckpt + ".old", "model"))  # a kill inside the first swap's rmtree
+        save_checkpoint(ckpt, model, tokenizer, opt, random.Random(0), torch.Generator(), dict(done=done), 0)
+    assert json.load(open(os.path.join(ckpt, "state.json")))["done"] == 2
+    assert not os.path.exists(ckpt + ".old")
 
 
 # ----------------------------------------------------------------------------------------------
