@@ -19,6 +19,13 @@ the table (mean [lowest, highest seed]) and the declared rule's verdict: arm A g
 if A's mean test EM beats B's by more than the larger seed range, or A's worst seed beats B's best.
 Writes a JSON line per arm and seed to --out and a chart (test EM per arm, a dot per seed).
 
+Resumable: each seed's mined pairs and their diagnostics go to OUT.pairs-seed<s>.json as soon as
+they exist, and a run given the same --out skips the (seed, arm) rows already there and reads the
+pairs back instead of mining again (mining a seed takes about 40 minutes on 2 cores; a LoRA round
+of the real 0.5B about 40). The LoRA rounds recompute each decoder layer in backward
+(`--activation_checkpointing`, on by default): without it one step of 4 pairs of 1,000 / 2,000
+tokens peaks at 13.0 GB and the real round was killed at 24.4 GB; with it 6.8 GB.
+
 Left out: the alternating loop (evolve.py runs it), more than one round.
 
     python bench/bench_real_ofsd.py --checkpoint runs/grpo05/checkpoint/model --seeds 0,1,2 \\
@@ -26,6 +33,7 @@ Left out: the alternating loop (evolve.py runs it), more than one round.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -38,6 +46,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_ablation import cell, stats  # noqa: E402  (mean [lowest, highest seed])
 from bench_teacher import PROTOCOL  # noqa: E402  (the rollout settings a mining run takes)
+from checkpoint import write_atomic  # noqa: E402
 from eval import evaluate, read_questions, summarize  # noqa: E402
 from evolve import DEFAULTS  # noqa: E402  (the loop's settings as written)
 import fsdp  # noqa: E402
@@ -47,18 +56,36 @@ import ofsd  # noqa: E402
 import retriever  # noqa: E402
 import toyagent  # noqa: E402
 from model import Qwen2Config, load  # noqa: E402
-from rollout import rollout  # noqa: E402
+from rollout import Trajectory, rollout  # noqa: E402
 
 ARMS = ("none-round", "ofsd-vocab", "ofsd-position", "ofsd-none", "rft")
 ROUND = ("lora_rank", "lora_alpha", "lora_lr", "lora_epochs", "ofsd_micro_batch", "tau_clip", "max_grad_norm", "kl_chunk")
 
 
-def policy(folder, dev, dt):
+def policy(folder, dev, dt, checkpoint_layers=False):
     """The checkpoint in float32, sharded for bfloat16 compute when a process group is up (fsdp.setup)."""
     model, tok = load(folder, dev, torch.float32)
     if dist.is_initialized():
         fsdp.shard(model, dt)
+    model.checkpoint_layers = checkpoint_layers
     return model, tok
+
+
+def mined_pairs(path, mine_them):
+    """(pairs, diagnostics, seconds) read from `path` when a run before this one wrote it, else
+    `mine_them()`'s, written there (temporary name, then rename) before they are used."""
+    if path and os.path.exists(path):
+        with open(path) as f:
+            saved = json.load(f)
+        pairs = [ofsd.Pair(Trajectory(**p["ref"]), Trajectory(**p["stu"]), p["incorrect"], tuple(p["golds"]))
+                 for p in saved["pairs"]]
+        return pairs, saved["before"], saved["seconds"]
+    pairs, before, seconds = mine_them()
+    if path:
+        write_atomic(path, json.dumps(dict(before=before, seconds=seconds, pairs=[
+            dict(ref=dataclasses.asdict(p.ref), stu=dataclasses.asdict(p.stu), incorrect=p.incorrect,
+                 golds=list(p.golds)) for p in pairs])))
+    return pairs, before, seconds
 
 
 def tau_ref_nll(model, refs, pad_id):
@@ -134,6 +161,8 @@ def main():
     for k in PROTOCOL + ("eval_batch",) + ROUND:
         ap.add_argument(f"--{k}", type=type(DEFAULTS[k]), default=DEFAULTS[k])
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    ap.add_argument("--activation_checkpointing", default="true", choices=("true", "false"),
+                    help="recompute each decoder layer in backward in the LoRA rounds (memory; the same math)")
     ap.add_argument("--out", default="", help="JSON lines, one per arm and seed")
     ap.add_argument("--chart", default="", help="an SVG chart of test EM per arm")
     args = ap.parse_args()
@@ -150,24 +179,34 @@ def main():
     protocol = {k: v for k, v in rollout_args.items() if k not in ("temperature", "top_p")}  # greedy eval's
     round_args = {k: getattr(args, k) for k in ROUND}
     print(f"{args.checkpoint} | {dt} | {len(test)} test questions | {rollout_args} | {round_args}", flush=True)
-    rows, baseline = [], None
+    recompute = args.activation_checkpointing == "true"
+    rows = [json.loads(line) for line in open(args.out)] if args.out and os.path.exists(args.out) else []
+    done = {(r["seed"], r["arm"]) for r in rows}  # a resumed run skips these
+    baseline = next((r["test"] for r in rows if r["arm"] == "none-round"), None)
     for seed in [int(s) for s in args.seeds.split(",")]:
-        t0 = time.time()
-        model, tok = policy(args.checkpoint, dev, dt)
-        questions = random.Random(seed).sample(train, min(args.questions, len(train)))
-        with torch.no_grad():
-            trajs = rollout(model, tok, index, [q["question"] for q in questions], args.group_size,
-                            generator=torch.Generator(device=dev).manual_seed(seed), **rollout_args)
-        mined = ofsd.mine(trajs, questions, args.group_size)
-        del trajs  # the pairs keep their two trajectories each
-        before = ofsd.mined_diagnostics(model, tok, index, mined, rollout_args, args.kl_chunk) if mined else {}
-        print(f"seed {seed} | mined {len(mined)} of {len(questions)} | teacher_em {before.get('teacher_em')} | "
-              f"student_em {before.get('student_em')} | {time.time() - t0:.0f}s", flush=True)
-        for arm in arms:
+        if all((seed, arm) in done for arm in arms):
+            continue
+
+        def mine_them():
+            t0 = time.time()
+            model, tok = policy(args.checkpoint, dev, dt)
+            questions = random.Random(seed).sample(train, min(args.questions, len(train)))
+            with torch.no_grad():
+                trajs = rollout(model, tok, index, [q["question"] for q in questions], args.group_size,
+                                generator=torch.Generator(device=dev).manual_seed(seed), **rollout_args)
+            mined = ofsd.mine(trajs, questions, args.group_size)
+            del trajs  # the pairs keep their two trajectories each
+            before = ofsd.mined_diagnostics(model, tok, index, mined, rollout_args, args.kl_chunk) if mined else {}
+            return mined, before, time.time() - t0
+
+        mined, before, seconds = mined_pairs(args.out and f"{args.out}.pairs-seed{seed}.json", mine_them)
+        print(f"seed {seed} | mined {len(mined)} of {min(args.questions, len(train))} | teacher_em "
+              f"{before.get('teacher_em')} | student_em {before.get('student_em')} | {seconds:.0f}s", flush=True)
+        for arm in [a for a in arms if (seed, a) not in done]:
             t1 = time.time()
             model = None  # one model at a time: the last arm's goes before the next is read
             fsdp.trim_host_memory()
-            model, tok = policy(args.checkpoint, dev, dt)  # every arm from the checkpoint as written
+            model, tok = policy(args.checkpoint, dev, dt, recompute)  # every arm from the checkpoint as written
             torch.manual_seed(seed)  # the adapter's initialisation, the same for every arm of a seed
             if arm == "rft":
                 m = rft(model, mined, seed=seed, pad_id=tok.pad_id,

@@ -299,3 +299,19 @@ def test_rft_control_fits_tau_ref_and_merges(agent, tokenizer, search_index):
     assert m["nll_after"] < m["nll_before"] and len(m["losses"]) == 6
     assert not lora._wrapped(model) and set(dict(model.named_parameters())) == set(dict(agent.named_parameters()))
     assert any((p - q).abs().max() > 0 for p, q in zip(model.parameters(), agent.parameters()))
+
+
+def test_resumed_run_reads_back_the_mined_pairs(agent, tokenizer, search_index, tmp_path):
+    """bench_real_ofsd saves a seed's pairs once and a resumed run reads back equal pairs without mining."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import bench_real_ofsd
+    trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION, "Ada"], G=2, temperature=1.0,
+                generator=torch.Generator().manual_seed(5))
+    pairs = [ofsd.Pair(trajs[0], trajs[1], True, ("Paris",)), ofsd.Pair(trajs[2], trajs[3], False, ("x", "y"))]
+    path = str(tmp_path / "pairs.json")
+    first = bench_real_ofsd.mined_pairs(path, lambda: (pairs, {"teacher_em": 0.5}, 12.0))
+
+    def must_not_mine():
+        raise AssertionError("mined again")
+    again = bench_real_ofsd.mined_pairs(path, must_not_mine)
+    assert first == again == (pairs, {"teacher_em": 0.5}, 12.0)
