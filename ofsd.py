@@ -15,8 +15,9 @@ An OFSD round (METHOD.md, "OFSD") consolidates what the GRPO round found:
      teacher  P_T(q, tau_ref) = chat(instruction || q || PRIVILEGED(tau_ref)) then tau_stu
    Loss positions R_tau = tau_stu's policy-sampled tokens (its loss_mask), aligned between the
    two sequences; retrieved text and the prompt never count.
-3. The round: attach LoRA; the teacher pass runs with the adapter disabled, under no_grad; the
-   student pass with it; AdamW on the adapter only, minimising per pair the mean over its loss
+3. The round: attach LoRA; the teacher pass runs with the adapter disabled, under no_grad, once
+   per round (the base is frozen, so its states at the loss positions do not change); the student
+   pass runs with the adapter, at every step; AdamW on the adapter only, minimising per pair the mean over its loss
    positions of the token-level forward KL(teacher || student), clipped as `ofsd_clip` says
    (clipped_kl.py):
      "vocab"     L = 1/|R_tau| sum_{p in R_tau} sum_v min(Pt_p(v) log(Pt_p(v) / Ps_p(v)), tau_clip)
@@ -252,11 +253,12 @@ def distill(model, tokenizer, pairs, *, lora_rank, lora_alpha, lora_lr, lora_epo
         return metrics
     params = lora.attach(model, lora_rank, lora_alpha)
     broadcast(params)  # every rank trains the same adapter on the same pairs (it is small)
-    before = pair_stats(model, data, tau_clip, ofsd_clip, ofsd_micro_batch, kl_chunk)
+    items = list(zip(data, teacher_states(model, data, ofsd_micro_batch)))  # (PairSequences, (n, d) teacher states)
+    before = pair_stats(model, items, tau_clip, ofsd_clip, ofsd_micro_batch, kl_chunk)
     loss = lambda m, batch: pair_loss(m, batch, tau_clip, ofsd_clip, kl_chunk)  # noqa: E731
-    metrics["losses"] = fit_adapter(model, params, data, loss, lora_lr=lora_lr, lora_epochs=lora_epochs,
+    metrics["losses"] = fit_adapter(model, params, items, loss, lora_lr=lora_lr, lora_epochs=lora_epochs,
                                     micro_batch=ofsd_micro_batch, max_grad_norm=max_grad_norm, seed=seed, log=log)
-    after = pair_stats(model, data, tau_clip, ofsd_clip, ofsd_micro_batch, kl_chunk)
+    after = pair_stats(model, items, tau_clip, ofsd_clip, ofsd_micro_batch, kl_chunk)
     metrics.update({f"{k}_{when}": v for when, d in (("before", before), ("after", after)) for k, v in d.items()})
     merge_adapter(model, params)
     return metrics
@@ -293,21 +295,35 @@ def merge_adapter(model, params):
 
 
 @torch.no_grad()
-def pair_stats(model, data, tau_clip, ofsd_clip, ofsd_micro_batch, kl_chunk):
+def teacher_states(model, data, micro_batch):
+    """The teacher view's final hidden states at each pair's loss positions, the adapter off:
+    a list of (n_i, d), one per PairSequences, computed `micro_batch` pairs at a time."""
+    out = []
+    with lora.disabled(model):
+        for i in range(0, len(data), micro_batch):
+            part = data[i:i + micro_batch]
+            h_t = _gather_hidden(model, [d.teacher for d in part], [d.teacher_pos for d in part])  # (N, d)
+            out += h_t.split([len(d.teacher_pos) for d in part])
+    return out
+
+
+@torch.no_grad()
+def pair_stats(model, items, tau_clip, ofsd_clip, ofsd_micro_batch, kl_chunk):
     """Mean over the pairs of each pair's mean over its loss positions (the loss's own weighting)
     of: the loss ("loss", the clipped value training minimises), the true forward KL ("kl_true"), the share
     of positions the clip changed ("clip_frac") and the student's probability of the teacher's
-    most likely token ("p_top"). The teacher runs with the adapter off, the student with it."""
+    most likely token ("p_top"). items: (PairSequences, teacher states) as `teacher_states` gives
+    them; the student runs with the adapter."""
     sums = dict(loss=0.0, kl_true=0.0, clip_frac=0.0, p_top=0.0)
-    for i in range(0, len(data), ofsd_micro_batch):
-        students, teachers, s_pos, t_pos = zip(*data[i:i + ofsd_micro_batch])
-        with lora.disabled(model):
-            h_t = _gather_hidden(model, teachers, t_pos)  # (N, d)
-        h_s = _gather_hidden(model, students, s_pos)  # (N, d)
+    for i in range(0, len(items), ofsd_micro_batch):
+        part = items[i:i + ofsd_micro_batch]
+        s_pos = [d.student_pos for d, _ in part]
+        h_s = _gather_hidden(model, [d.student for d, _ in part], s_pos)  # (N, d)
+        h_t = torch.cat([h for _, h in part])  # (N, d)
         stats = position_stats(h_s, h_t, model.lm_head_weight, tau_clip, ofsd_clip, kl_chunk)
         lengths = [len(p) for p in s_pos]
         for key, name in (("loss", "loss"), ("kl_true", "kl"), ("clip_frac", "clipped"), ("p_top", "p_top")):
-            sums[key] += sum(x.mean().item() for x in stats[name].split(lengths)) / len(data)
+            sums[key] += sum(x.mean().item() for x in stats[name].split(lengths)) / len(items)
     return sums
 
 
@@ -318,10 +334,10 @@ def broadcast(tensors):
 
 
 def pair_loss(model, batch, tau_clip, ofsd_clip, kl_chunk):
-    """Mean over the pairs (PairSequences) of each pair's mean clipped KL over its loss positions."""
-    students, teachers, s_pos, t_pos = zip(*batch)
-    with torch.no_grad(), lora.disabled(model):
-        h_t = _gather_hidden(model, teachers, t_pos)  # (N, d) teacher: frozen base weights
-    h_s = _gather_hidden(model, students, s_pos)  # (N, d) student: adapter active
+    """Mean over the pairs of each pair's mean clipped KL over its loss positions; batch: (PairSequences,
+    teacher states) as `teacher_states` gives them (the frozen base's, adapter off)."""
+    s_pos = [d.student_pos for d, _ in batch]
+    h_t = torch.cat([h for _, h in batch])  # (N, d) teacher
+    h_s = _gather_hidden(model, [d.student for d, _ in batch], s_pos)  # (N, d) student: adapter active
     w = torch.tensor([1.0 / (len(p) * len(batch)) for p in s_pos for _ in p], device=h_s.device)
     return fused_linear_clipped_kl(h_s, h_t, model.lm_head_weight, tau_clip, ofsd_clip, w, kl_chunk)

@@ -255,7 +255,7 @@ def test_pair_loss_teacher_is_the_base_model(agent, tokenizer, search_index, cli
     """pair_loss = mean over pairs of each pair's mean loss, the teacher being the model with its
     adapter off (checked against a separate copy of the base model), the student with it on."""
     base, model, data = adapted_pairs(agent, tokenizer, search_index)
-    got = ofsd.pair_loss(model, data, 0.05, clip, kl_chunk=7)
+    got = ofsd.pair_loss(model, list(zip(data, ofsd.teacher_states(model, data, 1))), 0.05, clip, kl_chunk=7)
     ref = reference_positions(base, model, data, 0.05, clip)
     want = sum(loss.mean() for loss, _, _ in ref) / len(ref)
     assert abs(got.item() - want.item()) <= 1e-5 * max(1.0, abs(want.item()))
@@ -266,7 +266,8 @@ def test_pair_loss_teacher_is_the_base_model(agent, tokenizer, search_index, cli
 def test_pair_stats_report_the_true_kl(agent, tokenizer, search_index):
     """pair_stats: the loss, the unclipped KL, the clipped share and P(teacher's top), per pair then mean."""
     base, model, data = adapted_pairs(agent, tokenizer, search_index)
-    got = ofsd.pair_stats(model, data, 0.05, "position", ofsd_micro_batch=2, kl_chunk=5)
+    got = ofsd.pair_stats(model, list(zip(data, ofsd.teacher_states(model, data, 2))), 0.05, "position",
+                          ofsd_micro_batch=2, kl_chunk=5)
     ref = reference_positions(base, model, data, 0.05, "position")
     for key, want in (("loss", sum(l.mean() for l, _, _ in ref) / 2), ("kl_true", sum(k.mean() for _, k, _ in ref) / 2),
                       ("clip_frac", sum((k > 0.05).double().mean() for _, k, _ in ref) / 2),
