@@ -17,9 +17,9 @@ An OFSD round (METHOD.md, "OFSD") consolidates what the GRPO round found:
    two sequences; retrieved text and the prompt never count.
 3. The round: attach LoRA; the teacher pass runs with the adapter disabled, under no_grad, once
    per round (the base is frozen, so its states at the loss positions do not change); the student
-   pass runs with the adapter, at every step; AdamW on the adapter only, minimising per pair the mean over its loss
-   positions of the token-level forward KL(teacher || student), clipped as `ofsd_clip` says
-   (clipped_kl.py):
+   pass runs with the adapter, at every step; AdamW on the adapter only, minimising per pair the
+   mean over its loss positions of the token-level forward KL(teacher || student), clipped as
+   `ofsd_clip` says (clipped_kl.py):
      "vocab"     L = 1/|R_tau| sum_{p in R_tau} sum_v min(Pt_p(v) log(Pt_p(v) / Ps_p(v)), tau_clip)
                  (the paper's formula; its clipped terms push the student away from the teacher)
      "position"  L = 1/|R_tau| sum_{p in R_tau} min(KL_p, tau_clip)
