@@ -307,6 +307,13 @@ def teacher_states(model, data, micro_batch):
     return out
 
 
+def pair_states(model, items):
+    """(student states with the adapter as it is (N, d), the items' teacher states (N, d), the student
+    loss positions per pair) for (PairSequences, teacher states) items."""
+    s_pos = [d.student_pos for d, _ in items]
+    return _gather_hidden(model, [d.student for d, _ in items], s_pos), torch.cat([h for _, h in items]), s_pos
+
+
 @torch.no_grad()
 def pair_stats(model, items, tau_clip, ofsd_clip, ofsd_micro_batch, kl_chunk):
     """Mean over the pairs of each pair's mean over its loss positions (the loss's own weighting)
@@ -317,9 +324,7 @@ def pair_stats(model, items, tau_clip, ofsd_clip, ofsd_micro_batch, kl_chunk):
     sums = dict(loss=0.0, kl_true=0.0, clip_frac=0.0, p_top=0.0)
     for i in range(0, len(items), ofsd_micro_batch):
         part = items[i:i + ofsd_micro_batch]
-        s_pos = [d.student_pos for d, _ in part]
-        h_s = _gather_hidden(model, [d.student for d, _ in part], s_pos)  # (N, d)
-        h_t = torch.cat([h for _, h in part])  # (N, d)
+        h_s, h_t, s_pos = pair_states(model, part)  # (N, d) each
         stats = position_stats(h_s, h_t, model.lm_head_weight, tau_clip, ofsd_clip, kl_chunk)
         lengths = [len(p) for p in s_pos]
         for key, name in (("loss", "loss"), ("kl_true", "kl"), ("clip_frac", "clipped"), ("p_top", "p_top")):
@@ -336,8 +341,6 @@ def broadcast(tensors):
 def pair_loss(model, batch, tau_clip, ofsd_clip, kl_chunk):
     """Mean over the pairs of each pair's mean clipped KL over its loss positions; batch: (PairSequences,
     teacher states) as `teacher_states` gives them (the frozen base's, adapter off)."""
-    s_pos = [d.student_pos for d, _ in batch]
-    h_t = torch.cat([h for _, h in batch])  # (N, d) teacher
-    h_s = _gather_hidden(model, [d.student for d, _ in batch], s_pos)  # (N, d) student: adapter active
+    h_s, h_t, s_pos = pair_states(model, batch)  # (N, d) each
     w = torch.tensor([1.0 / (len(p) * len(batch)) for p in s_pos for _ in p], device=h_s.device)
     return fused_linear_clipped_kl(h_s, h_t, model.lm_head_weight, tau_clip, ofsd_clip, w, kl_chunk)
