@@ -11,8 +11,8 @@ segment). Then each arm, from a fresh copy of the checkpoint, on exactly those p
     rft            the same LoRA round minimising the NLL of tau_ref's own policy tokens in the
                    student view, each pair's mean over its tokens (rejection-sampling fine-tuning:
                    learning from the successful sibling without a teacher), the adapter merged
-and after it greedy EM on the mined questions (student view) and on the first `--test` test
-questions, which no arm mines or trains on (per type, searches per question). The weights are
+and after it greedy EM on the mined questions (from the student and the teacher view) and on the
+first `--test` test questions, which no arm mines or trains on (per type, searches per question). The weights are
 float32 with bfloat16 compute where `--dtype=auto` picks it (FSDP2 on one rank, as evolve.py).
 Every arm of a seed starts its adapter from the same torch seed. Prints one line per arm and seed,
 the table (mean [lowest, highest seed]) and the declared rule's verdict: arm A gains over B only
@@ -97,21 +97,29 @@ def tau_ref_nll(model, refs, pad_id):
     return -(w * logp).sum()
 
 
-def rft(model, pairs, *, lora_rank, lora_alpha, lora_lr, lora_epochs, ofsd_micro_batch, max_grad_norm, seed, pad_id):
+def rft(model, tokenizer, pairs, *, lora_rank, lora_alpha, lora_lr, lora_epochs, ofsd_micro_batch, max_grad_norm,
+        kl_chunk, seed):
     """The control: ofsd.distill's LoRA round (the same adapter, optimizer, batches and order) on
-    the NLL of tau_ref in the student view instead of the teacher's KL, then merge."""
+    the NLL of tau_ref in the student view instead of the teacher's KL, then merge. Reports, as
+    distill does, the true KL from the round's starting teacher view and P(its top token) before -> after."""
     refs = [p.ref for p in pairs if sum(p.ref.loss_mask)]
     metrics = dict(pairs=len(pairs), incorrect_students=sum(p.incorrect for p in pairs), losses=[])
     if not refs:
         return metrics
     params = lora.attach(model, lora_rank, lora_alpha)
-    with torch.no_grad():
-        metrics["nll_before"] = tau_ref_nll(model, refs, pad_id).item()
-    metrics["losses"] = ofsd.fit_adapter(model, params, refs, lambda m, batch: tau_ref_nll(m, batch, pad_id),
+    data = [d for d in (ofsd.pair_sequences(tokenizer, p.ref, p.stu) for p in pairs) if d.student_pos]
+    items = list(zip(data, ofsd.teacher_states(model, data, ofsd_micro_batch)))  # the teacher before the round
+
+    def measure(when):
+        with torch.no_grad():
+            metrics[f"nll_{when}"] = tau_ref_nll(model, refs, tokenizer.pad_id).item()
+        stats = ofsd.pair_stats(model, items, 0.0, "none", ofsd_micro_batch, kl_chunk) if items else {}
+        metrics.update({f"{k}_{when}": stats[k] for k in ("kl_true", "p_top") if k in stats})
+    measure("before")
+    metrics["losses"] = ofsd.fit_adapter(model, params, refs, lambda m, batch: tau_ref_nll(m, batch, tokenizer.pad_id),
                                          lora_lr=lora_lr, lora_epochs=lora_epochs, micro_batch=ofsd_micro_batch,
                                          max_grad_norm=max_grad_norm, seed=seed)
-    with torch.no_grad():
-        metrics["nll_after"] = tau_ref_nll(model, refs, pad_id).item()
+    measure("after")
     ofsd.merge_adapter(model, params)
     return metrics
 
@@ -209,14 +217,15 @@ def main():
             model, tok = policy(args.checkpoint, dev, dt, recompute)  # every arm from the checkpoint as written
             torch.manual_seed(seed)  # the adapter's initialisation, the same for every arm of a seed
             if arm == "rft":
-                m = rft(model, mined, seed=seed, pad_id=tok.pad_id,
-                        **{k: v for k, v in round_args.items() if k not in ("tau_clip", "kl_chunk")})
+                m = rft(model, tok, mined, seed=seed, **{k: v for k, v in round_args.items() if k != "tau_clip"})
             elif arm.startswith("ofsd-"):
                 m = ofsd.distill(model, tok, mined, ofsd_clip=arm[len("ofsd-"):], seed=seed, **round_args)
             else:
                 m = {}
             if arm != "none-round" and mined:
                 m.update(ofsd.split_em("mined_em_after", ofsd.greedy_em(model, tok, index, mined, rollout_args), mined))
+                m.update(ofsd.split_em("teacher_em_after", ofsd.greedy_em(model, tok, index, mined, rollout_args,
+                                                                          teacher_view=True), mined))
             if arm == "none-round" and baseline is not None:
                 summary = baseline
             else:
@@ -230,19 +239,22 @@ def main():
                 with open(args.out, "a") as f:
                     f.write(json.dumps(row) + "\n")
             print(f"seed {seed} | {arm} | test EM {summary['all']['em']:.3f} | searches {summary['all']['searches']:.2f} "
-                  f"| mined_em_after {m.get('mined_em_after')} | kl_true {m.get('kl_true_before')} -> "
-                  f"{m.get('kl_true_after')} | {row['seconds']:.0f}s", flush=True)
+                  f"| mined_em_after {m.get('mined_em_after')} | teacher_em_after {m.get('teacher_em_after')} "
+                  f"| kl_true {m.get('kl_true_before')} -> {m.get('kl_true_after')} | {row['seconds']:.0f}s", flush=True)
     types = sorted({t for r in rows for t in r["test"] if t != "all"})
-    print("\n| arm | test EM | " + " | ".join(types) + " | searches/q | mined EM after |")
-    print("|---|---|" + "---|" * len(types) + "---|---|")
+    print("\n| arm | test EM | " + " | ".join(types) + " | searches/q | mined EM after | teacher view after |")
+    print("|---|---|" + "---|" * len(types) + "---|---|---|")
     ems = {}
     for arm in arms:
         rs = [r for r in rows if r["arm"] == arm]
         ems[arm] = [r["test"]["all"]["em"] for r in rs]
         after = [r["round"].get("mined_em_after", r["before"].get("student_em")) for r in rs]
         after = [a for a in after if a is not None]
+        teacher = [r["round"].get("teacher_em_after", r["before"].get("teacher_em")) for r in rs]
+        teacher = [a for a in teacher if a is not None]
         print(f"| {arm} | {cell(ems[arm])} | " + " | ".join(cell([r["test"][t]["em"] for r in rs]) for t in types)
-              + f" | {cell([r['test']['all']['searches'] for r in rs])} | {cell(after) if after else '-'} |")
+              + f" | {cell([r['test']['all']['searches'] for r in rs])} | {cell(after) if after else '-'} "
+              f"| {cell(teacher) if teacher else '-'} |")
     print("\nthe rule, on test EM:")
     for arm in arms:
         for other in ("rft", "none-round"):

@@ -278,7 +278,8 @@ def test_pair_stats_report_the_true_kl(agent, tokenizer, search_index):
 
 def test_rft_control_fits_tau_ref_and_merges(agent, tokenizer, search_index):
     """bench_real_ofsd's RFT control: its loss is each tau_ref's mean -log p over its policy tokens
-    (float64 full forward), the round lowers it, and it leaves a plain Qwen2 with moved weights."""
+    (float64 full forward), the round lowers it, reports the true KL from the starting teacher view
+    before -> after, and leaves a plain Qwen2 with moved weights."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     import bench_real_ofsd
     trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION, "Ada"], G=2, temperature=1.0,
@@ -295,9 +296,12 @@ def test_rft_control_fits_tau_ref_and_merges(agent, tokenizer, search_index):
     with torch.no_grad():
         assert abs(bench_real_ofsd.tau_ref_nll(model, refs, 0).item() - want) <= 1e-5
     torch.manual_seed(0)
-    m = bench_real_ofsd.rft(model, pairs, lora_rank=4, lora_alpha=8, lora_lr=1e-2, lora_epochs=3,
-                            ofsd_micro_batch=1, max_grad_norm=1.0, seed=0, pad_id=0)
+    m = bench_real_ofsd.rft(model, tokenizer, pairs, lora_rank=4, lora_alpha=8, lora_lr=1e-2, lora_epochs=3,
+                            ofsd_micro_batch=1, max_grad_norm=1.0, kl_chunk=5, seed=0)
     assert m["nll_after"] < m["nll_before"] and len(m["losses"]) == 6
+    data = [ofsd.pair_sequences(tokenizer, p.ref, p.stu) for p in pairs]
+    start = ofsd.pair_stats(agent, list(zip(data, ofsd.teacher_states(agent, data, 1))), 0.0, "none", 1, 5)
+    assert abs(m["kl_true_before"] - start["kl_true"]) <= 1e-6 and m["kl_true_after"] != m["kl_true_before"]
     assert not lora._wrapped(model) and set(dict(model.named_parameters())) == set(dict(agent.named_parameters()))
     assert any((p - q).abs().max() > 0 for p, q in zip(model.parameters(), agent.parameters()))
 
