@@ -12,12 +12,15 @@ segment). Then each arm, from a fresh copy of the checkpoint, on exactly those p
                    student view, each pair's mean over its tokens (rejection-sampling fine-tuning:
                    learning from the successful sibling without a teacher), the adapter merged
 and after it greedy EM on the mined questions (from the student and the teacher view) and on the
-first `--test` test questions, which no arm mines or trains on (per type, searches per question). The weights are
-float32 with bfloat16 compute where `--dtype=auto` picks it (FSDP2 on one rank, as evolve.py).
-Every arm of a seed starts its adapter from the same torch seed. Prints one line per arm and seed,
-the table (mean [lowest, highest seed]) and the declared rule's verdict: arm A gains over B only
-if A's mean test EM beats B's by more than the larger seed range, or A's worst seed beats B's best.
-Writes a JSON line per arm and seed to --out and a chart (test EM per arm, a dot per seed).
+first `--test` test questions, which no arm mines or trains on (per type, searches per question).
+The weights are float32 with bfloat16 compute where `--dtype=auto` picks it (FSDP2 on one rank, as
+evolve.py). Every arm of a seed starts its adapter from the same torch seed.
+
+Prints one line per arm and seed, each round's diagnostics before -> after, the table (mean
+[lowest, highest seed]) and the declared rule's verdict: arm A gains over B only if A's mean test
+EM beats B's by more than the larger seed range, or A's worst seed beats B's best. Writes a JSON
+line per arm and seed to --out and a chart (test EM per arm, a dot per seed). Run again with the
+same --out once every row is there, it prints the tables and the chart without computing anything.
 
 Resumable: each seed's mined pairs and their diagnostics go to OUT.pairs-seed<s>.json as soon as
 they exist, and a run given the same --out skips the (seed, arm) rows already there and reads the
@@ -137,6 +140,26 @@ def verdict(name, em, other, base):
             f"{max(base):.3f}: {'GAIN' if gain else 'no gain'}")
 
 
+def rounds_table(rows):
+    """Each round's diagnostics, one line per seed and arm (a value before -> after the round)."""
+    def num(v):
+        return "-" if v is None else f"{v:.3f}"
+
+    def moved(r, before, after):
+        return f"{num(r.get(before))} -> {num(r.get(after))}"
+    out = ["| seed | arm | true KL | P(teacher's top) | clip_frac | mined EM, student view | mined EM, teacher view "
+           "| test EM | searches/q | minutes |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        d = dict(r["before"], **r["round"])
+        if r["arm"] == "none-round":
+            d.update(mined_em_after=d.get("student_em"), teacher_em_after=d.get("teacher_em"))
+        out.append(f"| {r['seed']} | {r['arm']} | {moved(d, 'kl_true_before', 'kl_true_after')} "
+                   f"| {moved(d, 'p_top_before', 'p_top_after')} | {num(d.get('clip_frac_after'))} "
+                   f"| {moved(d, 'student_em', 'mined_em_after')} | {moved(d, 'teacher_em', 'teacher_em_after')} "
+                   f"| {r['test']['all']['em']:.3f} | {r['test']['all']['searches']:.2f} | {r['seconds'] / 60:.0f} |")
+    return "\n".join(out)
+
+
 def chart_svg(ems):
     """Test EM per arm, one dot per seed and a bar at the mean, as an SVG string written by hand."""
     W, H, left, top, bottom = 120 + 110 * len(ems), 260, 50, 20, 40
@@ -241,6 +264,7 @@ def main():
             print(f"seed {seed} | {arm} | test EM {summary['all']['em']:.3f} | searches {summary['all']['searches']:.2f} "
                   f"| mined_em_after {m.get('mined_em_after')} | teacher_em_after {m.get('teacher_em_after')} "
                   f"| kl_true {m.get('kl_true_before')} -> {m.get('kl_true_after')} | {row['seconds']:.0f}s", flush=True)
+    print("\n" + rounds_table(rows))
     types = sorted({t for r in rows for t in r["test"] if t != "all"})
     print("\n| arm | test EM | " + " | ".join(types) + " | searches/q | mined EM after | teacher view after |")
     print("|---|---|" + "---|" * len(types) + "---|---|---|")

@@ -320,3 +320,19 @@ def test_resumed_run_reads_back_the_mined_pairs(agent, tokenizer, search_index, 
         raise AssertionError("mined again")
     again = bench_real_ofsd.mined_pairs(path, must_not_mine)
     assert first == again == (pairs, {"teacher_em": 0.5}, 12.0)
+
+
+def test_rounds_table_reports_each_round_before_and_after():
+    """bench_real_ofsd.rounds_table: a trained arm's diagnostics before -> after; none-round's stay put."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import bench_real_ofsd
+    before = dict(teacher_em=0.9, student_em=0.8)
+    test = {"all": dict(n=4, em=0.5, searches=1.25, format=1.0)}
+    rows = [dict(seed=0, arm="none-round", before=before, round={}, test=test, seconds=120.0),
+            dict(seed=0, arm="ofsd-vocab", before=before, test=test, seconds=600.0,
+                 round=dict(kl_true_before=0.3, kl_true_after=0.1, p_top_before=0.6, p_top_after=0.7,
+                            clip_frac_after=0.25, mined_em_after=0.85, teacher_em_after=0.95))]
+    lines = bench_real_ofsd.rounds_table(rows).splitlines()
+    assert lines[2] == "| 0 | none-round | - -> - | - -> - | - | 0.800 -> 0.800 | 0.900 -> 0.900 | 0.500 | 1.25 | 2 |"
+    assert lines[3] == ("| 0 | ofsd-vocab | 0.300 -> 0.100 | 0.600 -> 0.700 | 0.250 | 0.800 -> 0.850 "
+                        "| 0.900 -> 0.950 | 0.500 | 1.25 | 10 |")
