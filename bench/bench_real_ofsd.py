@@ -101,7 +101,7 @@ def tau_ref_nll(model, refs, pad_id):
 
 
 def rft(model, tokenizer, pairs, *, lora_rank, lora_alpha, lora_lr, lora_epochs, ofsd_micro_batch, max_grad_norm,
-        kl_chunk, seed):
+        kl_chunk, seed, log=None):
     """The control: ofsd.distill's LoRA round (the same adapter, optimizer, batches and order) on
     the NLL of tau_ref in the student view instead of the teacher's KL, then merge. Reports, as
     distill does, the true KL from the round's starting teacher view and P(its top token) before -> after."""
@@ -121,7 +121,7 @@ def rft(model, tokenizer, pairs, *, lora_rank, lora_alpha, lora_lr, lora_epochs,
     measure("before")
     metrics["losses"] = ofsd.fit_adapter(model, params, refs, lambda m, batch: tau_ref_nll(m, batch, tokenizer.pad_id),
                                          lora_lr=lora_lr, lora_epochs=lora_epochs, micro_batch=ofsd_micro_batch,
-                                         max_grad_norm=max_grad_norm, seed=seed)
+                                         max_grad_norm=max_grad_norm, seed=seed, log=log)
     measure("after")
     ofsd.merge_adapter(model, params)
     return metrics
@@ -239,10 +239,12 @@ def main():
             fsdp.trim_host_memory()
             model, tok = policy(args.checkpoint, dev, dt, recompute)  # every arm from the checkpoint as written
             torch.manual_seed(seed)  # the adapter's initialisation, the same for every arm of a seed
+            log = lambda epoch, n, loss: print(  # noqa: E731
+                f"seed {seed} | {arm} | epoch {epoch} | step {n:4d} | loss {loss:.5f} | {time.time() - t1:.0f}s", flush=True)
             if arm == "rft":
-                m = rft(model, tok, mined, seed=seed, **{k: v for k, v in round_args.items() if k != "tau_clip"})
+                m = rft(model, tok, mined, seed=seed, log=log, **{k: v for k, v in round_args.items() if k != "tau_clip"})
             elif arm.startswith("ofsd-"):
-                m = ofsd.distill(model, tok, mined, ofsd_clip=arm[len("ofsd-"):], seed=seed, **round_args)
+                m = ofsd.distill(model, tok, mined, ofsd_clip=arm[len("ofsd-"):], seed=seed, log=log, **round_args)
             else:
                 m = {}
             if arm != "none-round" and mined:
