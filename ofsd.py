@@ -173,7 +173,7 @@ def ofsd_round(policy, tokenizer, index, questions, *, group_size, rollout_args,
                       lora_epochs=lora_epochs, ofsd_micro_batch=ofsd_micro_batch, tau_clip=tau_clip,
                       ofsd_clip=ofsd_clip, max_grad_norm=max_grad_norm, kl_chunk=kl_chunk, seed=lora_seed, log=log)
     if mined:  # the round's effect on its own questions, by whether the student was incorrect
-        after = greedy_em(policy, tokenizer, index, mined, rollout_args)
+        after, _ = greedy_scores(policy, tokenizer, index, mined, rollout_args)
         metrics.update(before, **split_em("mined_em_after", after, mined))
     return metrics
 
@@ -184,14 +184,15 @@ def ofsd_round(policy, tokenizer, index, questions, *, group_size, rollout_args,
 SEGMENTS = ("think", "search", "answer")
 
 
-def greedy_em(policy, tokenizer, index, mined, rollout_args, teacher_view=False):
-    """Greedy EM on the mined questions from the student view, or the teacher view (tau_ref shown)."""
+def greedy_scores(policy, tokenizer, index, mined, rollout_args, teacher_view=False):
+    """One greedy rollout per mined question from the student view, or the teacher view (tau_ref
+    shown): (EM per question, searches per question)."""
     contexts = [privileged(tokenizer, p.ref) for p in mined] if teacher_view else None
     greedy = dict(rollout_args, temperature=0.0, top_p=1.0)
     with torch.no_grad():
         trajs = rollout(policy, tokenizer, index, [p.stu.question for p in mined], 1,
                         contexts=contexts, generator=None, **greedy)
-    return [exact_match(t.answer, list(p.golds)) for t, p in zip(trajs, mined)]
+    return [exact_match(t.answer, list(p.golds)) for t, p in zip(trajs, mined)], [t.n_search for t in trajs]
 
 
 def split_em(name, em, mined):
@@ -233,11 +234,12 @@ def token_diagnostics(model, tokenizer, mined, kl_chunk):
 def mined_diagnostics(policy, tokenizer, index, mined, rollout_args, kl_chunk):
     """Before the round: greedy EM from the teacher and the student views (the headroom to distil;
     the teacher's also split by whether the pair's student was incorrect, as mined_em_before is),
-    the teacher/student disagreement and true KL by segment."""
-    student = greedy_em(policy, tokenizer, index, mined, rollout_args)
-    teacher = greedy_em(policy, tokenizer, index, mined, rollout_args, teacher_view=True)
+    each view's searches a question, the teacher/student disagreement and true KL by segment."""
+    student, student_searches = greedy_scores(policy, tokenizer, index, mined, rollout_args)
+    teacher, teacher_searches = greedy_scores(policy, tokenizer, index, mined, rollout_args, teacher_view=True)
     out = split_em("teacher_em", teacher, mined)  # overall, and split by whether the student was incorrect
     out.update(student_em=sum(student) / len(student), **split_em("mined_em_before", student, mined))
+    out.update(student_searches=sum(student_searches) / len(mined), teacher_searches=sum(teacher_searches) / len(mined))
     out.update(token_diagnostics(policy, tokenizer, mined, kl_chunk))
     return out
 

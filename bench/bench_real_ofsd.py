@@ -148,14 +148,18 @@ def rounds_table(rows):
     def moved(r, before, after):
         return f"{num(r.get(before))} -> {num(r.get(after))}"
     out = ["| seed | arm | true KL | P(teacher's top) | clip_frac | mined EM, student view | mined EM, teacher view "
-           "| test EM | searches/q | minutes |", "|---|---|---|---|---|---|---|---|---|---|"]
+           "| mined searches/q, student / teacher view | test EM | test searches/q | minutes |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         d = dict(r["before"], **r["round"])
         if r["arm"] == "none-round":
-            d.update(mined_em_after=d.get("student_em"), teacher_em_after=d.get("teacher_em"))
+            d.update(mined_em_after=d.get("student_em"), teacher_em_after=d.get("teacher_em"),
+                     student_searches_after=d.get("student_searches"), teacher_searches_after=d.get("teacher_searches"))
         out.append(f"| {r['seed']} | {r['arm']} | {moved(d, 'kl_true_before', 'kl_true_after')} "
                    f"| {moved(d, 'p_top_before', 'p_top_after')} | {num(d.get('clip_frac_after'))} "
                    f"| {moved(d, 'student_em', 'mined_em_after')} | {moved(d, 'teacher_em', 'teacher_em_after')} "
+                   f"| {moved(d, 'student_searches', 'student_searches_after')} / "
+                   f"{moved(d, 'teacher_searches', 'teacher_searches_after')} "
                    f"| {r['test']['all']['em']:.3f} | {r['test']['all']['searches']:.2f} | {r['seconds'] / 60:.0f} |")
     return "\n".join(out)
 
@@ -248,9 +252,9 @@ def main():
             else:
                 m = {}
             if arm != "none-round" and mined:
-                m.update(ofsd.split_em("mined_em_after", ofsd.greedy_em(model, tok, index, mined, rollout_args), mined))
-                m.update(ofsd.split_em("teacher_em_after", ofsd.greedy_em(model, tok, index, mined, rollout_args,
-                                                                          teacher_view=True), mined))
+                for view, name in (("student", "mined_em_after"), ("teacher", "teacher_em_after")):
+                    em, searches = ofsd.greedy_scores(model, tok, index, mined, rollout_args, view == "teacher")
+                    m.update(ofsd.split_em(name, em, mined), **{f"{view}_searches_after": sum(searches) / len(mined)})
             if arm == "none-round" and baseline is not None:
                 summary = baseline
             else:

@@ -4,7 +4,7 @@ the questions an OFSD round would mine (what #24's backbone target and #34's pre
 For each checkpoint (the toy backbone, or a run's `checkpoint/model`, or a real Qwen2.5 folder):
 `group_size` samples per question at the loop's sampling settings, one pair mined per question with
 a correct sample (the paper's rule: tau_ref = the correct sample with the fewest searches), then one
-greedy rollout per mined question from each view (ofsd.greedy_em, the diagnostic every OFSD round
+greedy rollout per mined question from each view (ofsd.greedy_scores, the diagnostic every OFSD round
 prints; both views are ofsd.py's prompts). Prints a table: mined questions, student EM, teacher EM
 and the gap, overall, per question type, and split by the mined student sample's outcome (an
 incorrect sibling, or only correct ones: ofsd_students="any").
@@ -35,7 +35,7 @@ import fsdp  # noqa: E402
 import retriever  # noqa: E402
 import toyagent  # noqa: E402
 from model import Qwen2Config, load  # noqa: E402
-from ofsd import greedy_em, mine  # noqa: E402
+from ofsd import greedy_scores, mine  # noqa: E402
 from rollout import rollout  # noqa: E402
 
 PROTOCOL = ("max_turns", "max_turn_tokens", "max_obs_tokens", "top_k", "temperature", "top_p", "rollout_rows")
@@ -51,8 +51,8 @@ def headroom(folder, index, questions, rollout_args, group_size, seed, dtype):
                         generator=torch.Generator().manual_seed(seed), **rollout_args)
     mined = mine(trajs, questions, group_size)
     kind_of = {q["question"]: q.get("type", "-") for q in questions}
-    student = greedy_em(model, tok, index, mined, rollout_args)
-    teacher = greedy_em(model, tok, index, mined, rollout_args, teacher_view=True)
+    student, _ = greedy_scores(model, tok, index, mined, rollout_args)
+    teacher, _ = greedy_scores(model, tok, index, mined, rollout_args, teacher_view=True)
     splits = [("all", lambda p: True)]
     splits += [(f"type {k}", lambda p, k=k: kind_of[p.stu.question] == k) for k in sorted(set(kind_of.values()))]
     splits += [("student incorrect", lambda p: p.incorrect), ("student correct", lambda p: not p.incorrect)]

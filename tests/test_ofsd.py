@@ -182,8 +182,9 @@ def test_round_reports_its_diagnostics(agent, tokenizer, search_index):
 
 
 def test_greedy_em_reads_each_view(agent, tokenizer, search_index):
-    """greedy_em's teacher view is a greedy rollout with tau_ref in the prompt, its student view one
-    without: on pairs where the context changes the answer, each scores what its own rollout answers."""
+    """greedy_scores's teacher view is a greedy rollout with tau_ref in the prompt, its student view one
+    without: on pairs where the context changes the answer, each scores what its own rollout answers
+    and counts its own searches."""
     trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION, "which lake is near London", "who founded Tokyo"],
                 G=3, temperature=1.3, generator=torch.Generator().manual_seed(0))
     args = dict(max_turns=2, max_turn_tokens=40, max_obs_tokens=400, top_k=3, temperature=1.0, top_p=1.0)
@@ -193,14 +194,16 @@ def test_greedy_em_reads_each_view(agent, tokenizer, search_index):
         direct = rollout.rollout(agent, tokenizer, search_index, [p.stu.question for p in pairs], 1, contexts=contexts,
                                  generator=None, **dict(args, temperature=0.0))
         views[view] = [t.answer for t in direct]
+        views[view + " searches"] = [t.n_search for t in direct]
     changed = [i for i, (a, b) in enumerate(zip(views["student"], views["teacher"])) if a != b]
     assert changed, views  # the fixture must hold a pair whose answer the context changes
     golds = [(views["teacher"][i] or views["student"][i],) for i in changed]  # an answer one view gives, not the other
     mined = [pairs[i]._replace(golds=g) for i, g in zip(changed, golds)]
-    want = {v: [rollout.exact_match(views[v][i], list(g)) for i, g in zip(changed, golds)] for v in views}
+    want = {v: [rollout.exact_match(views[v][i], list(g)) for i, g in zip(changed, golds)] for v in ("student", "teacher")}
     assert all(a != b for a, b in zip(want["student"], want["teacher"]))
-    assert ofsd.greedy_em(agent, tokenizer, search_index, mined, args, teacher_view=True) == want["teacher"]
-    assert ofsd.greedy_em(agent, tokenizer, search_index, mined, args) == want["student"]
+    for view in ("student", "teacher"):
+        em, searches = ofsd.greedy_scores(agent, tokenizer, search_index, mined, args, teacher_view=view == "teacher")
+        assert em == want[view] and searches == [views[view + " searches"][i] for i in changed], view
 
 
 def test_round_with_incorrect_students_only(agent, tokenizer, search_index):
@@ -326,13 +329,15 @@ def test_rounds_table_reports_each_round_before_and_after():
     """bench_real_ofsd.rounds_table: a trained arm's diagnostics before -> after; none-round's stay put."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     import bench_real_ofsd
-    before = dict(teacher_em=0.9, student_em=0.8)
+    before = dict(teacher_em=0.9, student_em=0.8, student_searches=1.0, teacher_searches=2.0)
     test = {"all": dict(n=4, em=0.5, searches=1.25, format=1.0)}
     rows = [dict(seed=0, arm="none-round", before=before, round={}, test=test, seconds=120.0),
             dict(seed=0, arm="ofsd-vocab", before=before, test=test, seconds=600.0,
                  round=dict(kl_true_before=0.3, kl_true_after=0.1, p_top_before=0.6, p_top_after=0.7,
-                            clip_frac_after=0.25, mined_em_after=0.85, teacher_em_after=0.95))]
+                            clip_frac_after=0.25, mined_em_after=0.85, teacher_em_after=0.95,
+                            student_searches_after=0.5, teacher_searches_after=1.5))]
     lines = bench_real_ofsd.rounds_table(rows).splitlines()
-    assert lines[2] == "| 0 | none-round | - -> - | - -> - | - | 0.800 -> 0.800 | 0.900 -> 0.900 | 0.500 | 1.25 | 2 |"
+    assert lines[2] == ("| 0 | none-round | - -> - | - -> - | - | 0.800 -> 0.800 | 0.900 -> 0.900 "
+                        "| 1.000 -> 1.000 / 2.000 -> 2.000 | 0.500 | 1.25 | 2 |")
     assert lines[3] == ("| 0 | ofsd-vocab | 0.300 -> 0.100 | 0.600 -> 0.700 | 0.250 | 0.800 -> 0.850 "
-                        "| 0.900 -> 0.950 | 0.500 | 1.25 | 10 |")
+                        "| 0.900 -> 0.950 | 1.000 -> 0.500 / 2.000 -> 1.500 | 0.500 | 1.25 | 10 |")
