@@ -213,7 +213,7 @@ def main():
     rollout_args = {k: getattr(args, k) for k in PROTOCOL}
     protocol = {k: v for k, v in rollout_args.items() if k not in ("temperature", "top_p")}  # greedy eval's
     round_args = {k: getattr(args, k) for k in ROUND}
-    print(f"{args.checkpoint} | {dt} | {len(test)} test questions | {rollout_args} | {round_args}", flush=True)
+    print(f"{args.checkpoint} | {dt} | {torch.get_num_threads()} threads | {len(test)} test questions | {rollout_args} | {round_args}", flush=True)
     recompute = args.activation_checkpointing == "true"
     rows = [json.loads(line) for line in open(args.out)] if args.out and os.path.exists(args.out) else []
     done = {(r["seed"], r["arm"]) for r in rows}  # a resumed run skips these
