@@ -29,8 +29,9 @@ An OFSD round (METHOD.md, "OFSD") consolidates what the GRPO round found:
    true (unclipped) KL, the loss, the share of positions the clip changed and the student's
    probability of the teacher's most likely token (`distill`); before, greedy EM on the mined
    questions from the teacher view and from the student view (the headroom to distil) and each
-   view's searches a question, the share of loss positions where the teacher's most likely token differs from the student's
-   sampled one and the true KL by segment (think / search / answer) (`mined_diagnostics`);
+   view's searches a question, the share of loss positions where the teacher's most likely token
+   differs from the student's sampled one and the true KL by segment (think / search / answer)
+   (`mined_diagnostics`);
    after, greedy EM on the mined questions, split by whether the student was incorrect.
 
 Left out: several privileged references per pair (the paper's future work), reverse KL, mixing

@@ -213,7 +213,8 @@ def main():
     rollout_args = {k: getattr(args, k) for k in PROTOCOL}
     protocol = {k: v for k, v in rollout_args.items() if k not in ("temperature", "top_p")}  # greedy eval's
     round_args = {k: getattr(args, k) for k in ROUND}
-    print(f"{args.checkpoint} | {dt} | {torch.get_num_threads()} threads | {len(test)} test questions | {rollout_args} | {round_args}", flush=True)
+    print(f"{args.checkpoint} | {dt} | {torch.get_num_threads()} threads | {len(test)} test questions "
+          f"| {rollout_args} | {round_args}", flush=True)
     recompute = args.activation_checkpointing == "true"
     rows = [json.loads(line) for line in open(args.out)] if args.out and os.path.exists(args.out) else []
     done = {(r["seed"], r["arm"]) for r in rows}  # a resumed run skips these
@@ -278,13 +279,10 @@ def main():
     for arm in arms:
         rs = [r for r in rows if r["arm"] == arm]
         ems[arm] = [r["test"]["all"]["em"] for r in rs]
-        after = [r["round"].get("mined_em_after", r["before"].get("student_em")) for r in rs]
-        after = [a for a in after if a is not None]
-        teacher = [r["round"].get("teacher_em_after", r["before"].get("teacher_em")) for r in rs]
-        teacher = [a for a in teacher if a is not None]
+        after = [cell([r["round"].get(f"{name}_after", r["before"].get(before)) for r in rs])  # none-round: before
+                 for name, before in (("mined_em", "student_em"), ("teacher_em", "teacher_em"))]
         print(f"| {arm} | {cell(ems[arm])} | " + " | ".join(cell([r["test"][t]["em"] for r in rs]) for t in types)
-              + f" | {cell([r['test']['all']['searches'] for r in rs])} | {cell(after) if after else '-'} "
-              f"| {cell(teacher) if teacher else '-'} |")
+              + f" | {cell([r['test']['all']['searches'] for r in rs])} | {after[0]} | {after[1]} |")
     print("\nthe rule, on test EM:")
     for arm in arms:
         for other in ("rft", "none-round"):

@@ -181,7 +181,7 @@ def test_round_reports_its_diagnostics(agent, tokenizer, search_index):
     assert abs(sum(e * n for e, n in halves if e is not None) / m["pairs"] - m["teacher_em"]) < 1e-9
 
 
-def test_greedy_em_reads_each_view(agent, tokenizer, search_index):
+def test_greedy_scores_read_each_view(agent, tokenizer, search_index):
     """greedy_scores's teacher view is a greedy rollout with tau_ref in the prompt, its student view one
     without: on pairs where the context changes the answer, each scores what its own rollout answers
     and counts its own searches."""
