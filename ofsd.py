@@ -249,14 +249,12 @@ def distill(model, tokenizer, pairs, *, lora_rank, lora_alpha, lora_lr, lora_epo
             ofsd_clip, max_grad_norm, kl_chunk, seed, log=None):
     """Distill each Pair's teacher view into its student view through LoRA, then merge.
     `log(epoch, step, loss)` is called after every optimizer step."""
-    data = [pair_sequences(tokenizer, p.ref, p.stu) for p in pairs]
-    data = [d for d in data if d.student_pos]  # a student with no policy token has nothing to learn
+    items = pair_items(model, tokenizer, pairs, ofsd_micro_batch)
     metrics = dict(pairs=len(pairs), incorrect_students=sum(p.incorrect for p in pairs), losses=[])
-    if not data:
+    if not items:
         return metrics
     params = lora.attach(model, lora_rank, lora_alpha)
     broadcast(params)  # every rank trains the same adapter on the same pairs (it is small)
-    items = list(zip(data, teacher_states(model, data, ofsd_micro_batch)))  # (PairSequences, (n, d) teacher states)
     before = pair_stats(model, items, tau_clip, ofsd_clip, ofsd_micro_batch, kl_chunk)
     loss = lambda m, batch: pair_loss(m, batch, tau_clip, ofsd_clip, kl_chunk)  # noqa: E731
     metrics["losses"] = fit_adapter(model, params, items, loss, lora_lr=lora_lr, lora_epochs=lora_epochs,
@@ -295,6 +293,13 @@ def merge_adapter(model, params):
     lora.merge(model)
     for p in model.parameters():
         p.requires_grad_(True)
+
+
+def pair_items(model, tokenizer, pairs, micro_batch):
+    """(PairSequences, teacher states (n, d)) for each Pair whose student has a policy token (one
+    without has nothing to learn); the teacher states are the model's as it is now, adapter off."""
+    data = [d for d in (pair_sequences(tokenizer, p.ref, p.stu) for p in pairs) if d.student_pos]
+    return list(zip(data, teacher_states(model, data, micro_batch)))
 
 
 @torch.no_grad()

@@ -109,9 +109,8 @@ def rft(model, tokenizer, pairs, *, lora_rank, lora_alpha, lora_lr, lora_epochs,
     metrics = dict(pairs=len(pairs), incorrect_students=sum(p.incorrect for p in pairs), losses=[])
     if not refs:
         return metrics
+    items = ofsd.pair_items(model, tokenizer, pairs, ofsd_micro_batch)  # the teacher before the round
     params = lora.attach(model, lora_rank, lora_alpha)
-    data = [d for d in (ofsd.pair_sequences(tokenizer, p.ref, p.stu) for p in pairs) if d.student_pos]
-    items = list(zip(data, ofsd.teacher_states(model, data, ofsd_micro_batch)))  # the teacher before the round
 
     def measure(when):
         with torch.no_grad():
