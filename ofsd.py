@@ -30,8 +30,8 @@ An OFSD round (METHOD.md, "OFSD") consolidates what the GRPO round found:
    probability of the teacher's most likely token (`distill`); before, greedy EM on the mined
    questions from the teacher view and from the student view (the headroom to distil) and each
    view's searches a question, the share of loss positions where the teacher's most likely token
-   differs from the student's sampled one and the true KL by segment (think / search / answer)
-   (`mined_diagnostics`);
+   differs from the student's sampled one, the true KL by segment (think / search / answer) and
+   each view's probability of the student's choices to search (`mined_diagnostics`);
    after, greedy EM on the mined questions, split by whether the student was incorrect.
 
 Left out: several privileged references per pair (the paper's future work), reverse KL, mixing
@@ -46,6 +46,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import fsdp
 import lora
@@ -214,8 +215,10 @@ def segment_of(text):
 @torch.no_grad()
 def token_diagnostics(model, tokenizer, mined, kl_chunk):
     """Over the loss positions of every pair: the share where the teacher's most likely token is
-    not the token the student sampled, and the mean true KL of a position in each segment."""
-    differ, n, kl = 0, 0, {s: [] for s in SEGMENTS + ("other",)}
+    not the token the student sampled, the mean true KL of a position in each segment, and at the
+    positions where the student's sampled token completes "<search" (its choice to search rather
+    than answer), the mean probability each view gives that token (None where no such position)."""
+    differ, n, kl, opens = 0, 0, {s: [] for s in SEGMENTS + ("other",)}, {"student": [], "teacher": []}
     for ref, stu, *_ in mined:
         s_ids, t_ids, s_pos, t_pos = pair_sequences(tokenizer, ref, stu)  # a PairSequences
         if not s_pos:
@@ -225,10 +228,17 @@ def token_diagnostics(model, tokenizer, mined, kl_chunk):
         sampled = torch.tensor([s_ids[p] for p in s_pos], device=h_s.device)
         differ += (stats["teacher_top"] != sampled).sum().item()
         n += len(sampled)
-        for p, term in zip(s_pos, stats["kl"].tolist()):
-            kl[segment_of(tokenizer.decode(s_ids[stu.prompt_len:p]))].append(term)
+        before = [tokenizer.decode(s_ids[stu.prompt_len:p]) for p in s_pos]  # the text before each token
+        for text, term in zip(before, stats["kl"].tolist()):
+            kl[segment_of(text)].append(term)
+        i_open = [i for i, p in enumerate(s_pos)
+                  if tokenizer.decode(s_ids[stu.prompt_len:p + 1]).count("<search") > before[i].count("<search")]
+        for view, h in (("student", h_s), ("teacher", h_t)):
+            logp = torch.log_softmax(F.linear(h[i_open], model.lm_head_weight).float(), -1)  # (k, V)
+            opens[view] += logp.gather(-1, sampled[i_open, None]).exp().squeeze(-1).tolist()  # (k,)
     out = {"disagree": differ / n if n else None}
     out.update({f"kl_{s}": sum(v) / len(v) if v else None for s, v in kl.items()})
+    out.update({f"p_search_{v}": sum(ps) / len(ps) if ps else None for v, ps in opens.items()})
     return out
 
 

@@ -143,7 +143,8 @@ def test_segment_of_the_open_tag():
 
 
 def test_token_diagnostics_equal_a_full_forward(agent, tokenizer, search_index):
-    """disagree and the per-segment true KL equal those computed from full teacher/student logits."""
+    """disagree, the per-segment true KL and each view's probability of the student's search-opening
+    tokens equal those computed from full teacher/student logits."""
     trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION], G=2, temperature=1.3,
                 generator=torch.Generator().manual_seed(3))
     mined = [ofsd.Pair(trajs[0], trajs[1], True, ("Paris",))]
@@ -161,6 +162,12 @@ def test_token_diagnostics_equal_a_full_forward(agent, tokenizer, search_index):
         assert (got[f"kl_{name}"] is None) == (not vals)
         if vals:
             assert abs(got[f"kl_{name}"] - sum(vals) / len(vals)) <= 1e-5
+    upto = [tokenizer.decode(s_ids[trajs[1].prompt_len:p + k]).rstrip(">") for p in s_pos for k in (0, 1)]
+    opens = [i for i in range(len(s_pos)) if upto[2 * i + 1].endswith("<search") and not upto[2 * i].endswith("<search")]
+    assert opens  # the student searched, so the check has positions to compare
+    for view, logp in (("student", ls), ("teacher", lt)):
+        want = sum(logp[i, s_ids[s_pos[i]]].exp().item() for i in opens) / len(opens)
+        assert abs(got[f"p_search_{view}"] - want) <= 1e-5, view
 
 
 def test_round_reports_its_diagnostics(agent, tokenizer, search_index):
