@@ -231,8 +231,9 @@ def token_diagnostics(model, tokenizer, mined, kl_chunk):
         before = [tokenizer.decode(s_ids[stu.prompt_len:p]) for p in s_pos]  # the text before each token
         for text, term in zip(before, stats["kl"].tolist()):
             kl[segment_of(text)].append(term)
-        i_open = [i for i, p in enumerate(s_pos)
-                  if tokenizer.decode(s_ids[stu.prompt_len:p + 1]).count("<search") > before[i].count("<search")]
+        after = [before[i + 1] if i + 1 < len(s_pos) and s_pos[i + 1] == p + 1  # the next token's "before"
+                 else tokenizer.decode(s_ids[stu.prompt_len:p + 1]) for i, p in enumerate(s_pos)]
+        i_open = [i for i in range(len(s_pos)) if after[i].count("<search") > before[i].count("<search")]
         for view, h in (("student", h_s), ("teacher", h_t)):
             logp = torch.log_softmax(F.linear(h[i_open], model.lm_head_weight).float(), -1)  # (k, V)
             opens[view] += logp.gather(-1, sampled[i_open, None]).exp().squeeze(-1).tolist()  # (k,)
