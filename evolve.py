@@ -239,7 +239,8 @@ def main():
 # helpers: the command line and its checks, the printed lines
 
 def parse_overrides(argv):
-    """--key=value for any config key (an int is accepted for a float); --resume alone means True."""
+    """--key=value for any config key (an int is accepted for a float); --resume alone means True.
+    A path's leading ~ is expanded: the shell leaves it alone after `=`."""
     out = {}
     for arg in argv:
         key, eq, val = arg.removeprefix("--").partition("=")
@@ -253,6 +254,8 @@ def parse_overrides(argv):
         else:
             try:
                 out[key] = type(old)(val)  # int("1") for an int, float("1") for a float, str
+                if key.endswith(("_dir", "_file")):
+                    out[key] = os.path.expanduser(out[key])
             except ValueError:
                 raise SystemExit(f"--{key}={val}: expected {type(old).__name__}") from None
     return out

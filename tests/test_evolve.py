@@ -100,6 +100,14 @@ def test_overrides_parse_types():
         parse_overrides(["--grpo_steps=1.5"])
 
 
+def test_overrides_expand_home_in_paths():
+    """--model_dir=~/x names the home folder's x (bash expands no ~ after `=`); other strings stay."""
+    sys.path.insert(0, ROOT)
+    from evolve import parse_overrides
+    o = parse_overrides(["--model_dir=~/ckpt", "--out_dir=runs/a", "--device=cpu"])
+    assert o == {"model_dir": os.path.join(os.path.expanduser("~"), "ckpt"), "out_dir": "runs/a", "device": "cpu"}
+
+
 def test_curves_svg_draws_mean_and_band():
     """The chart: per variant and panel, a mean line through every evaluation and a min-max band."""
     import xml.etree.ElementTree as ET
