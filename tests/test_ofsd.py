@@ -145,8 +145,11 @@ def test_segment_of_the_open_tag():
 def test_token_diagnostics_equal_a_full_forward(agent, tokenizer, search_index):
     """disagree, the per-segment true KL and each view's probability of the student's search-opening
     tokens equal those computed from full teacher/student logits."""
-    trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION], G=2, temperature=1.3,
-                generator=torch.Generator().manual_seed(3))
+    for seed in range(3, 23):  # a student that searched: which seed gives one depends on the CPU's rounding
+        trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION], G=2, temperature=1.3,
+                    generator=torch.Generator().manual_seed(seed))
+        if trajs[1].n_search:
+            break
     mined = [ofsd.Pair(trajs[0], trajs[1], True, ("Paris",))]
     got = ofsd.token_diagnostics(agent, tokenizer, mined, kl_chunk=7)
     s_ids, t_ids, s_pos, t_pos = ofsd.pair_sequences(tokenizer, trajs[0], trajs[1])
