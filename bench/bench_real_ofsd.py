@@ -236,7 +236,8 @@ def main():
 
         mined, before, seconds = mined_pairs(args.out and f"{args.out}.pairs-seed{seed}.json", mine_them)
         print(f"seed {seed} | mined {len(mined)} of {min(args.questions, len(train))} | teacher_em "
-              f"{before.get('teacher_em')} | student_em {before.get('student_em')} | {seconds:.0f}s", flush=True)
+              f"{before.get('teacher_em')} | student_em {before.get('student_em')} | p_search teacher "
+              f"{before.get('p_search_teacher')} | student {before.get('p_search_student')} | {seconds:.0f}s", flush=True)
         for arm in [a for a in arms if (seed, a) not in done]:
             t1 = time.time()
             model = None  # one model at a time: the last arm's goes before the next is read
