@@ -254,10 +254,10 @@ def parse_overrides(argv):
         else:
             try:
                 out[key] = type(old)(val)  # int("1") for an int, float("1") for a float, str
-                if key.endswith(("_dir", "_file")):
-                    out[key] = os.path.expanduser(out[key])
             except ValueError:
                 raise SystemExit(f"--{key}={val}: expected {type(old).__name__}") from None
+            if key.endswith(("_dir", "_file")):
+                out[key] = os.path.expanduser(out[key])
     return out
 
 
