@@ -17,10 +17,12 @@ The weights are float32 with bfloat16 compute where `--dtype=auto` picks it (FSD
 evolve.py). Every arm of a seed starts its adapter from the same torch seed.
 
 Prints one line per arm and seed, each round's diagnostics before -> after, the table (mean
-[lowest, highest seed]) and the declared rule's verdict: arm A gains over B only if A's mean test
-EM beats B's by more than the larger seed range, or A's worst seed beats B's best. Writes a JSON
-line per arm and seed to --out and a chart (test EM per arm, a dot per seed). Run again with the
-same --out once every row is there, it prints the tables and the chart without computing anything.
+[lowest, highest draw]) and the declared rule's verdict: arm A gains over B only if A's mean test
+EM beats B's by more than the larger range over draws, or A's worst draw beats B's best. A draw is
+a (policy, mining seed) pair: `--policy` names this checkpoint in the tables and its rows, and
+`--earlier` adds rows of draws on other policies to the tables, the rule and the chart. Writes a
+JSON line per arm and seed to --out and a chart (test EM per arm, a dot per draw). Run again with
+the same --out once every row is there, it prints the tables and the chart without computing.
 
 Resumable: each seed's mined pairs and their diagnostics go to OUT.pairs-seed<s>.json as soon as
 they exist, and a run given the same --out skips the (seed, arm) rows already there and reads the
@@ -135,36 +137,43 @@ def verdict(name, em, other, base):
     margin = max(max(em) - min(em), max(base) - min(base))
     gain = stats(em)[0] - stats(base)[0] > margin or min(em) > max(base)
     return (f"  {name} over {other}: {stats(em)[0]:.3f} against {stats(base)[0]:.3f}, difference "
-            f"{stats(em)[0] - stats(base)[0]:+.3f}, margin {margin:.3f}; worst seed {min(em):.3f} vs best "
+            f"{stats(em)[0] - stats(base)[0]:+.3f}, margin {margin:.3f}; worst draw {min(em):.3f} vs best "
             f"{max(base):.3f}: {'GAIN' if gain else 'no gain'}")
 
 
+def draw(row):
+    """A row's draw, (policy, mining seed): the policy is named where rows of several policies meet."""
+    return f"({row['policy']}, {row['seed']})" if row.get("policy") else str(row["seed"])
+
+
 def rounds_table(rows):
-    """Each round's diagnostics, one line per seed and arm (a value before -> after the round)."""
+    """Each round's diagnostics, one line per draw and arm (a value before -> after the round)."""
     def num(v):
         return "-" if v is None else f"{v:.3f}"
 
     def moved(r, before, after):
         return f"{num(r.get(before))} -> {num(r.get(after))}"
-    out = ["| seed | arm | true KL | P(teacher's top) | clip_frac | mined EM, student view | mined EM, teacher view "
-           "| mined searches/q, student / teacher view | test EM | test searches/q | minutes |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| draw | arm | true KL | P(teacher's top) | clip_frac | mined EM, student view | mined EM, teacher view "
+           "| mined searches/q, student / teacher view | P(search), student / teacher view | test EM "
+           "| test searches/q | minutes |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         d = dict(r["before"], **r["round"])
         if r["arm"] == "none-round":
             d.update(mined_em_after=d.get("student_em"), teacher_em_after=d.get("teacher_em"),
                      student_searches_after=d.get("student_searches"), teacher_searches_after=d.get("teacher_searches"))
-        out.append(f"| {r['seed']} | {r['arm']} | {moved(d, 'kl_true_before', 'kl_true_after')} "
+        out.append(f"| {draw(r)} | {r['arm']} | {moved(d, 'kl_true_before', 'kl_true_after')} "
                    f"| {moved(d, 'p_top_before', 'p_top_after')} | {num(d.get('clip_frac_after'))} "
                    f"| {moved(d, 'student_em', 'mined_em_after')} | {moved(d, 'teacher_em', 'teacher_em_after')} "
                    f"| {moved(d, 'student_searches', 'student_searches_after')} / "
                    f"{moved(d, 'teacher_searches', 'teacher_searches_after')} "
+                   f"| {num(d.get('p_search_student'))} / {num(d.get('p_search_teacher'))} "
                    f"| {r['test']['all']['em']:.3f} | {r['test']['all']['searches']:.2f} | {r['seconds'] / 60:.0f} |")
     return "\n".join(out)
 
 
 def chart_svg(ems):
-    """Test EM per arm, one dot per seed and a bar at the mean, as an SVG string written by hand."""
+    """Test EM per arm, one dot per draw and a bar at the mean, as an SVG string written by hand."""
     W, H, left, top, bottom = 120 + 110 * len(ems), 260, 50, 20, 40
     y = lambda v: top + (1 - v) * (H - top - bottom)  # noqa: E731
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="11">',
@@ -179,8 +188,34 @@ def chart_svg(ems):
         out += [f'<circle cx="{x - 15 + 30 * j / max(1, len(vals) - 1)}" cy="{y(v)}" r="3" fill="#d62728"/>'
                 for j, v in enumerate(vals)]
         out.append(f'<text x="{x - 30}" y="{H - 20}">{arm}</text>')
-    out.append(f'<text x="{left}" y="{H - 5}">greedy test EM after one round (bar: mean over seeds; dots: seeds)</text>')
+    out.append(f'<text x="{left}" y="{H - 5}">greedy test EM after one round (bar: mean over draws; dots: draws)</text>')
     return "\n".join(out + ["</svg>"]) + "\n"
+
+
+def report(rows, arms, chart=""):
+    """The tables, the declared rule's verdict on test EM and the chart, over every draw in rows."""
+    print("\n" + rounds_table(rows))
+    types = sorted({t for r in rows for t in r["test"] if t != "all"})
+    print("\n| arm | test EM | " + " | ".join(types) + " | searches/q | mined EM after | teacher view after |")
+    print("|---|---|" + "---|" * len(types) + "---|---|---|")
+    ems = {}
+    for arm in arms:
+        rs = [r for r in rows if r["arm"] == arm]
+        ems[arm] = [r["test"]["all"]["em"] for r in rs]
+        after = [cell([r["round"].get(f"{name}_after", r["before"].get(before)) for r in rs])  # none-round: before
+                 for name, before in (("mined_em", "student_em"), ("teacher_em", "teacher_em"))]
+        print(f"| {arm} | {cell(ems[arm])} | " + " | ".join(cell([r["test"][t]["em"] for r in rs]) for t in types)
+              + f" | {cell([r['test']['all']['searches'] for r in rs])} | {after[0]} | {after[1]} |")
+    print("\nthe rule, on test EM:")
+    for arm in arms:
+        for other in ("rft", "none-round"):
+            if arm.startswith("ofsd-") and other in ems:
+                print(verdict(arm, ems[arm], other, ems[other]))
+    if "rft" in ems and "none-round" in ems:
+        print(verdict("rft", ems["rft"], "none-round", ems["none-round"]))
+    if chart:
+        with open(chart, "w") as f:
+            f.write(chart_svg(ems))
 
 
 def main():
@@ -199,6 +234,9 @@ def main():
                     help="recompute each decoder layer in backward in the LoRA rounds (memory; the same math)")
     ap.add_argument("--out", default="", help="JSON lines, one per arm and seed")
     ap.add_argument("--chart", default="", help="an SVG chart of test EM per arm")
+    ap.add_argument("--policy", default="", help="the checkpoint's name in the tables, kept in each row it writes")
+    ap.add_argument("--earlier", nargs="*", default=[],
+                    help="JSON lines of earlier draws (other policies), counted in the tables, the rule and the chart")
     args = ap.parse_args()
     arms = args.arms.split(",")
     if set(arms) - set(ARMS):
@@ -261,7 +299,7 @@ def main():
             else:
                 summary = test_em(model, tok, index, test, protocol, args.eval_batch)
             baseline = summary if arm == "none-round" else baseline
-            row = dict(seed=seed, arm=arm, mined=len(mined), before=before, test=summary,
+            row = dict(policy=args.policy, seed=seed, arm=arm, mined=len(mined), before=before, test=summary,
                        round={k: v for k, v in m.items() if k != "losses"}, losses=m.get("losses", []),
                        seconds=time.time() - t1)
             rows.append(row)
@@ -271,29 +309,8 @@ def main():
             print(f"seed {seed} | {arm} | test EM {summary['all']['em']:.3f} | searches {summary['all']['searches']:.2f} "
                   f"| mined_em_after {m.get('mined_em_after')} | teacher_em_after {m.get('teacher_em_after')} "
                   f"| kl_true {m.get('kl_true_before')} -> {m.get('kl_true_after')} | {row['seconds']:.0f}s", flush=True)
-    print("\n" + rounds_table(rows))
-    types = sorted({t for r in rows for t in r["test"] if t != "all"})
-    print("\n| arm | test EM | " + " | ".join(types) + " | searches/q | mined EM after | teacher view after |")
-    print("|---|---|" + "---|" * len(types) + "---|---|---|")
-    ems = {}
-    for arm in arms:
-        rs = [r for r in rows if r["arm"] == arm]
-        ems[arm] = [r["test"]["all"]["em"] for r in rs]
-        after = [cell([r["round"].get(f"{name}_after", r["before"].get(before)) for r in rs])  # none-round: before
-                 for name, before in (("mined_em", "student_em"), ("teacher_em", "teacher_em"))]
-        print(f"| {arm} | {cell(ems[arm])} | " + " | ".join(cell([r["test"][t]["em"] for r in rs]) for t in types)
-              + f" | {cell([r['test']['all']['searches'] for r in rs])} | {after[0]} | {after[1]} |")
-    print("\nthe rule, on test EM:")
-    for arm in arms:
-        for other in ("rft", "none-round"):
-            if arm.startswith("ofsd-") and other in ems:
-                print(verdict(arm, ems[arm], other, ems[other]))
-    if "rft" in ems and "none-round" in ems:
-        print(verdict("rft", ems["rft"], "none-round", ems["none-round"]))
-    if args.chart:
-        with open(args.chart, "w") as f:
-            f.write(chart_svg(ems))
-
+    earlier = [json.loads(line) for f in args.earlier for line in open(f)]
+    report(earlier + [dict(r, policy=r.get("policy") or args.policy) for r in rows], arms, args.chart)
 
 if __name__ == "__main__":
     main()

@@ -342,12 +342,32 @@ def test_rounds_table_reports_each_round_before_and_after():
     before = dict(teacher_em=0.9, student_em=0.8, student_searches=1.0, teacher_searches=2.0)
     test = {"all": dict(n=4, em=0.5, searches=1.25, format=1.0)}
     rows = [dict(seed=0, arm="none-round", before=before, round={}, test=test, seconds=120.0),
-            dict(seed=0, arm="ofsd-vocab", before=before, test=test, seconds=600.0,
+            dict(policy="P", seed=0, arm="ofsd-vocab", test=test, seconds=600.0,
+                 before=dict(before, p_search_student=0.7, p_search_teacher=0.6),
                  round=dict(kl_true_before=0.3, kl_true_after=0.1, p_top_before=0.6, p_top_after=0.7,
                             clip_frac_after=0.25, mined_em_after=0.85, teacher_em_after=0.95,
                             student_searches_after=0.5, teacher_searches_after=1.5))]
     lines = bench_real_ofsd.rounds_table(rows).splitlines()
     assert lines[2] == ("| 0 | none-round | - -> - | - -> - | - | 0.800 -> 0.800 | 0.900 -> 0.900 "
-                        "| 1.000 -> 1.000 / 2.000 -> 2.000 | 0.500 | 1.25 | 2 |")
-    assert lines[3] == ("| 0 | ofsd-vocab | 0.300 -> 0.100 | 0.600 -> 0.700 | 0.250 | 0.800 -> 0.850 "
-                        "| 0.900 -> 0.950 | 1.000 -> 0.500 / 2.000 -> 1.500 | 0.500 | 1.25 | 10 |")
+                        "| 1.000 -> 1.000 / 2.000 -> 2.000 | - / - | 0.500 | 1.25 | 2 |")
+    assert lines[3] == ("| (P, 0) | ofsd-vocab | 0.300 -> 0.100 | 0.600 -> 0.700 | 0.250 | 0.800 -> 0.850 "
+                        "| 0.900 -> 0.950 | 1.000 -> 0.500 / 2.000 -> 1.500 | 0.700 / 0.600 | 0.500 | 1.25 | 10 |")
+
+
+def test_report_counts_each_draw_once_in_the_rule(tmp_path, capsys):
+    """bench_real_ofsd.report: rows of two policies are three draws in the rule, and the chart has a dot each."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import bench_real_ofsd
+
+    def row(policy, seed, arm, em):
+        return dict(policy=policy, seed=seed, arm=arm, before={}, round={}, seconds=60.0,
+                    test={"all": dict(n=8, em=em, searches=1.0, format=1.0), "single": dict(n=8, em=em)})
+    rows = [row("P", 0, "none-round", 0.25), row("P", 0, "rft", 0.5), row("Q", 1, "none-round", 0.125),
+            row("Q", 1, "rft", 0.375), row("Q", 2, "none-round", 0.125), row("Q", 2, "rft", 0.875)]
+    chart = tmp_path / "chart.svg"
+    bench_real_ofsd.report(rows, ["none-round", "rft"], str(chart))
+    out = capsys.readouterr().out
+    # rft: mean 0.583 (range 0.5), none-round: mean 0.167 (range 0.125); +0.417 is not above 0.5, and
+    # rft's worst draw (0.375) beats none-round's best (0.25): a gain by the second clause
+    assert "rft over none-round: 0.583 against 0.167, difference +0.417, margin 0.500; worst draw 0.375 vs best 0.250: GAIN" in out
+    assert "| (Q, 2) | rft |" in out and chart.read_text().count("<circle") == 6
