@@ -172,23 +172,25 @@ def rounds_table(rows):
     return "\n".join(out)
 
 
-def chart_svg(ems):
-    """Test EM per arm, one dot per draw and a bar at the mean, as an SVG string written by hand."""
-    W, H, left, top, bottom = 120 + 110 * len(ems), 260, 50, 20, 40
+def chart_svg(ems, draws):
+    """Test EM per arm, a dot per draw (in `draws`' order, left to right) and a bar at the mean, as an
+    SVG string written by hand. ems = {arm: {draw: test EM}}."""
+    W, H, left, top, bottom = 120 + 110 * len(ems), 275, 50, 20, 55
     y = lambda v: top + (1 - v) * (H - top - bottom)  # noqa: E731
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="11">',
            f'<line x1="{left}" y1="{y(0)}" x2="{W - 10}" y2="{y(0)}" stroke="black"/>']
     for v in (0, 0.25, 0.5, 0.75, 1.0):
         out.append(f'<text x="{left - 30}" y="{y(v) + 4}">{v:.2f}</text>'
                    f'<line x1="{left}" y1="{y(v)}" x2="{W - 10}" y2="{y(v)}" stroke="#ddd"/>')
-    for i, (arm, vals) in enumerate(ems.items()):
+    for i, (arm, by_draw) in enumerate(ems.items()):
         x = left + 50 + 110 * i
-        out.append(f'<line x1="{x - 25}" y1="{y(stats(vals)[0])}" x2="{x + 25}" y2="{y(stats(vals)[0])}" '
-                   f'stroke="#1f77b4" stroke-width="3"/>')
-        out += [f'<circle cx="{x - 15 + 30 * j / max(1, len(vals) - 1)}" cy="{y(v)}" r="3" fill="#d62728"/>'
-                for j, v in enumerate(vals)]
-        out.append(f'<text x="{x - 30}" y="{H - 20}">{arm}</text>')
-    out.append(f'<text x="{left}" y="{H - 5}">greedy test EM after one round (bar: mean over draws; dots: draws)</text>')
+        mean = stats(list(by_draw.values()))[0]
+        out.append(f'<line x1="{x - 25}" y1="{y(mean)}" x2="{x + 25}" y2="{y(mean)}" stroke="#1f77b4" stroke-width="3"/>')
+        out += [f'<circle cx="{x - 20 + 40 * k / max(1, len(draws) - 1)}" cy="{y(by_draw[d])}" r="3" fill="#d62728"/>'
+                for k, d in enumerate(draws) if d in by_draw]
+        out.append(f'<text x="{x - 30}" y="{H - 35}">{arm}</text>')
+    out.append(f'<text x="{left}" y="{H - 20}">greedy test EM after one round; bar: mean over draws</text>')
+    out.append(f'<text x="{left}" y="{H - 5}">dots, left to right: the draws {", ".join(draws)}</text>')
     return "\n".join(out + ["</svg>"]) + "\n"
 
 
@@ -214,8 +216,10 @@ def report(rows, arms, chart=""):
     if "rft" in ems and "none-round" in ems:
         print(verdict("rft", ems["rft"], "none-round", ems["none-round"]))
     if chart:
+        draws = list(dict.fromkeys(draw(r) for r in rows))  # in the rows' order
         with open(chart, "w") as f:
-            f.write(chart_svg(ems))
+            f.write(chart_svg({arm: {draw(r): r["test"]["all"]["em"] for r in rows if r["arm"] == arm} for arm in arms},
+                              draws))
 
 
 def main():
