@@ -200,10 +200,10 @@ def report(rows, arms, chart=""):
     types = sorted({t for r in rows for t in r["test"] if t != "all"})
     print("\n| arm | test EM | " + " | ".join(types) + " | searches/q | mined EM after | teacher view after |")
     print("|---|---|" + "---|" * len(types) + "---|---|---|")
-    ems = {}
+    by_draw = {arm: {draw(r): r["test"]["all"]["em"] for r in rows if r["arm"] == arm} for arm in arms}
+    ems = {arm: list(v.values()) for arm, v in by_draw.items()}  # an arm's test EM, one per draw
     for arm in arms:
         rs = [r for r in rows if r["arm"] == arm]
-        ems[arm] = [r["test"]["all"]["em"] for r in rs]
         after = [cell([r["round"].get(f"{name}_after", r["before"].get(before)) for r in rs])  # none-round: before
                  for name, before in (("mined_em", "student_em"), ("teacher_em", "teacher_em"))]
         print(f"| {arm} | {cell(ems[arm])} | " + " | ".join(cell([r["test"][t]["em"] for r in rs]) for t in types)
@@ -218,8 +218,7 @@ def report(rows, arms, chart=""):
     if chart:
         draws = list(dict.fromkeys(draw(r) for r in rows))  # in the rows' order
         with open(chart, "w") as f:
-            f.write(chart_svg({arm: {draw(r): r["test"]["all"]["em"] for r in rows if r["arm"] == arm} for arm in arms},
-                              draws))
+            f.write(chart_svg(by_draw, draws))
 
 
 def main():
