@@ -157,7 +157,8 @@ def main():
     ap.add_argument("--out", default="eval_results.jsonl")
     ap.add_argument("--batch", type=int, default=160,
                     help="questions decoded at once: a greedy batch lasts as long as its longest row, so few large "
-                         "batches; 132 rows of the 0.5B peaked at 20.3 GB in float32: lower it on a smaller machine")
+                         "batches; memory grows with it (the 0.5B's peak: docs/benchmarks.md), so lower it on a "
+                         "smaller machine")
     for key, value in SEARCH_R1_SETTINGS.items():  # the anchor's protocol settings by default
         ap.add_argument("--" + key.replace("_", "-"), type=int, default=value)
     ap.add_argument("--device", default="auto", help="auto (CUDA when there is one), cpu, cuda, cuda:N")

@@ -12,8 +12,7 @@ stops, and a row that never closes its tag runs to the turn's cap (500 tokens) a
 step, where a step is bound by reading the weights (bfloat16 halves those bytes: 2x at most). With
 16 questions a batch, 132 questions pay that tail in each of 9 batches; in one batch, once. The KV
 cache of one batch holds every row: 132 rows at the anchor's protocol are about 4.5 GB in bfloat16
-and 9 GB in float32 for the 0.5B; the whole float32 run at 132 rows peaked at 20.3 GB resident
-(docs/benchmarks.md).
+and 9 GB in float32 for the 0.5B; docs/benchmarks.md gives the whole run's measured peak.
 
     python bench/bench_eval.py --checkpoint ~/.cache/qwen2.5-coder-0.5b-instruct --index wiki/index \\
         --data wiki/test.jsonl [--limit 0] [--runs float32:16,bfloat16:16,float32:0,bfloat16:0]
