@@ -76,24 +76,28 @@ def sub_questions(dev, corpus_titles):
     """FanOutQA's sub-questions with one string answer, in file order, split in two: those that depend
     on no other (the test set) and the follow-ups written from another's answer ("What is the batting
     hand of Pat Burrell?" after "Who were the first 5 picks?"), whose text names what it asks about."""
-    standalone, followups, seen = [], [], set()
 
     def walk(q):
         for sub in q.get("decomposition") or []:
             yield sub
             yield from walk(sub)
 
-    for top in dev:
-        for sub in walk(top):
+    def pick(dependent, kind, seen):  # the test set is chosen first, so the follow-ups cannot change it
+        out = []
+        for sub in (sub for top in dev for sub in walk(top)):
             answer = sub.get("answer")
-            if not isinstance(answer, str) or not answer.strip() or sub["question"] in seen:
+            if bool(sub.get("depends_on")) != dependent or not isinstance(answer, str) or not answer.strip():
+                continue
+            if sub["question"] in seen:
                 continue
             seen.add(sub["question"])
             title = (sub.get("evidence") or {}).get("title")
-            kind, out = ("fanoutqa-followup", followups) if sub.get("depends_on") else ("fanoutqa", standalone)
             out.append(dict(question=sub["question"].strip(), golden_answers=[answer.strip()], type=kind,
                             evidence_title=title, evidence_in_corpus=title in corpus_titles))
-    return standalone, followups
+        return out
+
+    seen = set()
+    return pick(False, "fanoutqa", seen), pick(True, "fanoutqa-followup", seen)
 
 
 def evidence_at_k(index, questions, k):
@@ -113,9 +117,8 @@ def write_wiki_world(out_dir):
     os.makedirs(out_dir, exist_ok=True)
     corpus = corpus_records(summaries)
     questions, followups = sub_questions(dev, {page["title"] for page in summaries.values()})
-    write_atomic(os.path.join(out_dir, "corpus.jsonl"), "".join(json.dumps(r) + "\n" for r in corpus))
-    write_atomic(os.path.join(out_dir, "test.jsonl"), "".join(json.dumps(q) + "\n" for q in questions))
-    write_atomic(os.path.join(out_dir, "followups.jsonl"), "".join(json.dumps(q) + "\n" for q in followups))
+    for name, rows in (("corpus", corpus), ("test", questions), ("followups", followups)):
+        write_atomic(os.path.join(out_dir, name + ".jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
     index_build.build_index(os.path.join(out_dir, "corpus.jsonl"), os.path.join(out_dir, "index"))
     index = load_index(os.path.join(out_dir, "index"))
     held = [q for q in questions if q["evidence_in_corpus"]]
