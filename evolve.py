@@ -41,7 +41,7 @@ import fsdp
 import grpo
 from model import Qwen2Config, load
 from tokenizer import Tokenizer
-from ofsd import PRIVILEGED, ofsd_round
+import ofsd
 import toyagent
 from clipped_kl import CLIPS
 from retriever import load_index
@@ -96,6 +96,12 @@ ofsd_micro_batch = 4           # pairs per OFSD optimizer step
 tau_clip = 0.05                # the OFSD loss's clip threshold
 ofsd_clip = "vocab"            # what tau_clip caps (clipped_kl.py): "vocab" each (position, vocabulary)
                                # term (the paper's formula), "position" each position's KL, "none"
+ofsd_context = "full"          # what the teacher sees of tau_ref (ofsd.privileged): "full" its whole
+                               # response (the paper's), "no_answer" cut before its final answer,
+                               # "queries" its search queries only, "group_queries" every sibling's
+                               # queries, each marked correct or incorrect
+ofsd_positions = "policy"      # where the OFSD loss counts: "policy" every token tau_stu sampled (the
+                               # paper's), "queries" only the tokens of tau_stu's search queries
 kl_chunk = 256                 # positions per LM-head chunk of the OFSD loss (memory, not results)
 eval_batch = 64                # questions per greedy evaluation batch
 seed = 0                       # sampling, question order, LoRA initialisation
@@ -110,7 +116,8 @@ activation_checkpointing = False  # recompute each decoder layer in backward: le
 resume = False                 # continue from out_dir/checkpoint (the same settings; see RESUME_MAY_CHANGE)
 overwrite = False              # a fresh run may replace an earlier run's files in out_dir (never others)
 # ---------------------------------------------------------------------------------------------
-config_keys = [k for k, v in list(globals().items()) if not k.startswith("_") and isinstance(v, (bool, int, float, str))]
+config_keys = [k for k, v in list(globals().items()) if k.islower() and not k.startswith("_") and
+               isinstance(v, (bool, int, float, str))]
 DEFAULTS = {k: globals()[k] for k in config_keys}  # as written above: main() rewrites the globals, not this
 
 
@@ -204,11 +211,12 @@ def main():
                                           state_bytes=fsdp.state_bytes(policy, optimizer, kl_model)), grpo_line(m, it)))
             state["step"] += grpo_steps
         elif kind == "ofsd":
-            m = ofsd_round(
+            m = ofsd.ofsd_round(
                 policy, tokenizer, index, sample_questions(ofsd_questions), group_size=group_size,
                 rollout_args=rollout_args, generator=gen, ofsd_students=ofsd_students, lora_rank=lora_rank,
                 lora_alpha=lora_alpha, lora_lr=lora_lr, lora_epochs=lora_epochs, ofsd_micro_batch=ofsd_micro_batch,
-                tau_clip=tau_clip, ofsd_clip=ofsd_clip, max_grad_norm=max_grad_norm, kl_chunk=kl_chunk,
+                tau_clip=tau_clip, ofsd_clip=ofsd_clip, ofsd_context=ofsd_context, ofsd_positions=ofsd_positions,
+                max_grad_norm=max_grad_norm, kl_chunk=kl_chunk,
                 lora_seed=seed * 7919 + r,  # per seed and round; the prime keeps (seed, round) pairs apart
                 log=lambda epoch, n, loss: record(
                     None, f"ofsd | it {it} | epoch {epoch} | step {n:4d} | loss {loss:.5f}"))
@@ -240,12 +248,15 @@ def main():
 
 def parse_overrides(argv):
     """--key=value for any config key (an int is accepted for a float); --resume alone means True.
-    A path's leading ~ is expanded: the shell leaves it alone after `=`."""
+    A path's leading ~ is expanded: the shell leaves it alone after `=`. --help prints the settings."""
+    if "--help" in argv or "-h" in argv:
+        print(settings_help())
+        raise SystemExit(0)
     out = {}
     for arg in argv:
         key, eq, val = arg.removeprefix("--").partition("=")
         if not arg.startswith("--") or key not in config_keys:
-            raise SystemExit(f"unknown argument {arg!r}; keys: {', '.join(config_keys)}")
+            raise SystemExit(f"unknown argument {arg!r}; keys: {', '.join(config_keys)} (--help says what each does)")
         old = globals()[key]
         if isinstance(old, bool):
             if val.lower() not in ("", "true", "1", "false", "0"):
@@ -261,6 +272,23 @@ def parse_overrides(argv):
     return out
 
 
+def settings_help():
+    """Every setting with its default and the comment beside it, read from the config block above
+    (the one place each is written), for --help."""
+    lines, key = [__doc__.split("\n\n")[0], "", "usage: python evolve.py [--key=value ...]; the settings:"], None
+    with open(os.path.abspath(__file__)) as f:
+        for line in f:
+            name, eq, rest = line.partition(" = ")
+            if eq and name in config_keys:
+                key = name
+                lines.append(f"  --{name}={DEFAULTS[name]}".ljust(33) + " " + rest.partition("# ")[2].rstrip())
+            elif key and line.lstrip().startswith("# ") and line.startswith(" "):
+                lines.append(" " * 34 + line.strip()[2:])
+            elif key:
+                key = None
+    return "\n".join(lines)
+
+
 POSITIVE = ("grpo_steps", "questions_per_step", "ppo_mini_batch", "micro_batch", "warmup_steps", "max_turn_tokens",
             "max_obs_tokens", "top_k", "ofsd_questions", "lora_rank", "lora_epochs", "ofsd_micro_batch",
             "eval_batch", "kl_chunk", "lr", "lora_lr", "lora_alpha", "clip_ratio", "max_grad_norm",
@@ -268,7 +296,7 @@ POSITIVE = ("grpo_steps", "questions_per_step", "ppo_mini_batch", "micro_batch",
 NOT_NEGATIVE = ("iterations", "max_turns", "test_limit", "kl_coef", "entropy_coef", "seed", "world_seed",
                 "rollout_rows")
 CHOICES = dict(kl_policy=("round", "initial"), ofsd_students=("any", "incorrect"), ofsd_clip=CLIPS,
-               dtype=("auto", "float32", "bfloat16"))
+               ofsd_context=ofsd.CONTEXTS, ofsd_positions=ofsd.POSITIONS, dtype=("auto", "float32", "bfloat16"))
 RESUME_MAY_CHANGE = ("resume", "overwrite", "out_dir", "world_dir", "iterations", "eval_batch", "micro_batch",
                      "kl_chunk", "activation_checkpointing", "rollout_rows", "search_workers")  # paths, length, speed, memory
 
@@ -313,19 +341,22 @@ def check_ranks(cfg, world_size, ppo_updates):
 def check_context(cfg, model_config, tokenizer, longest_question):
     """A trajectory must fit the model's context: the longest question's prompt, then its response
     (rollout.max_response_tokens: the KV cache holds all of it); OFSD's teacher view holds the
-    privileged text and a second response (tau_ref). Refused before any weights or caches are allocated."""
+    privileged text (ofsd.max_context_tokens) and the response. Refused before any weights or caches
+    are allocated."""
     prompt = len(tokenizer.encode(tokenizer.chat_prompt(make_prompt(longest_question))))
     response = max_response_tokens(tokenizer, max_turns=cfg["max_turns"], max_turn_tokens=cfg["max_turn_tokens"],
                                    max_obs_tokens=cfg["max_obs_tokens"])
-    view = "teacher view" if cfg["ofsd_rounds"] else "trajectory"
-    longest = prompt + (len(tokenizer.encode(PRIVILEGED)) + 2 * response if cfg["ofsd_rounds"] else response)
+    view = f"teacher view ({cfg['ofsd_context']})" if cfg["ofsd_rounds"] else "trajectory"
+    extra = ofsd.max_context_tokens(tokenizer, cfg["ofsd_context"], response, cfg["group_size"]) \
+        if cfg["ofsd_rounds"] else 0
+    longest = prompt + extra + response
     if longest > model_config.max_position_embeddings:
         raise SystemExit(
-            f"bad settings, nothing was written:\n  a {view} may reach {longest:,} tokens (a prompt of {prompt} and "
-            f"{'two responses' if cfg['ofsd_rounds'] else 'a response'} of up to {response:,}: --max_turns="
-            f"{cfg['max_turns']} searching turns and the answer-only turn of --max_turn_tokens={cfg['max_turn_tokens']}"
-            f" + 1, and --max_turns observations of --max_obs_tokens={cfg['max_obs_tokens']}), over the model's "
-            f"context of {model_config.max_position_embeddings:,} (max_position_embeddings)")
+            f"bad settings, nothing was written:\n  a {view} may reach {longest:,} tokens (a prompt of {prompt}"
+            f"{f', a privileged context of up to {extra:,}' if extra else ''} and a response of up to {response:,}: "
+            f"--max_turns={cfg['max_turns']} searching turns and the answer-only turn of --max_turn_tokens="
+            f"{cfg['max_turn_tokens']} + 1, and --max_turns observations of --max_obs_tokens={cfg['max_obs_tokens']}),"
+            f" over the model's context of {model_config.max_position_embeddings:,} (max_position_embeddings)")
 
 
 def grpo_line(m, it):

@@ -11,10 +11,17 @@ An OFSD round (METHOD.md, "OFSD") consolidates what the GRPO round found:
      d(a, b) = 1 - |bigrams(a) & bigrams(b)| / |bigrams(a) | bigrams(b)|   (multisets)
    A group without a correct trajectory gives no pair.
 2. Conditioning: the same weights, two contexts, the same continuation tau_stu:
-     student  P_S(q)          = chat(instruction || q)                      then tau_stu
-     teacher  P_T(q, tau_ref) = chat(instruction || q || PRIVILEGED(tau_ref)) then tau_stu
-   Loss positions R_tau = tau_stu's policy-sampled tokens (its loss_mask), aligned between the
-   two sequences; retrieved text and the prompt never count.
+     student  P_S(q)          = chat(instruction || q)                  then tau_stu
+     teacher  P_T(q, tau_ref) = chat(instruction || q || C(pair))        then tau_stu
+   What the teacher sees, C (`ofsd_context`, rendered by `privileged`, each framing a constant):
+     "full"          tau_ref's whole response: reasoning, searches, documents, answer (the paper's)
+     "no_answer"     tau_ref's response cut before its final <answer> tag
+     "queries"       only tau_ref's search queries, in order: a search plan
+     "group_queries" every sibling's queries in the group, each marked correct / incorrect
+   Loss positions R_tau (`ofsd_positions`): "policy", every token tau_stu's policy sampled (its
+   loss_mask; the paper's), or "queries", only those that wrote a query the rollout ran ("q</search>"
+   of a turn's <search>q</search>); aligned between the two sequences; retrieved text and the
+   prompt never count.
 3. The round: attach LoRA; the teacher pass runs with the adapter disabled, under no_grad, once
    per round (the base is frozen, so its states at the loss positions do not change); the student
    pass runs with the adapter, at every step; AdamW on the adapter only, minimising per pair the
@@ -34,8 +41,8 @@ An OFSD round (METHOD.md, "OFSD") consolidates what the GRPO round found:
    each view's probability of the student's choices to search (`mined_diagnostics`);
    after, greedy EM on the mined questions, split by whether the student was incorrect.
 
-Left out: several privileged references per pair (the paper's future work), reverse KL, mixing
-OFSD with RL in one loss.
+Left out: reverse KL, mixing OFSD with RL in one loss, several full references per pair
+("group_queries" shows every sibling's queries, not their documents or reasoning).
 
     python evolve.py --ofsd_clip=none      # the loop runs the rounds; python clipped_kl.py checks the loss
 """
@@ -52,7 +59,7 @@ import fsdp
 import lora
 from model import pad_right
 from clipped_kl import fused_linear_clipped_kl, position_stats
-from rollout import em_rewards, exact_match, make_prompt, rollout
+from rollout import ACTION, em_rewards, exact_match, make_prompt, rollout
 
 class Pair(NamedTuple):
     """One question's mined pair."""
@@ -60,18 +67,28 @@ class Pair(NamedTuple):
     stu: object  # tau_stu: the sibling both views continue
     incorrect: bool  # whether tau_stu is incorrect (else a correct sibling: ofsd_students="any")
     golds: tuple = ()  # the question's gold answers (greedy EM on the mined questions)
+    group: tuple = ()  # (queries, reward) of every sibling in the group, in order ("group_queries")
 
 
 class PairSequences(NamedTuple):
     """A pair as the loss reads it: both views' token ids and their aligned loss positions."""
     student: list  # chat(instruction || q) then tau_stu
-    teacher: list  # chat(instruction || q || PRIVILEGED(tau_ref)) then tau_stu
+    teacher: list  # chat(instruction || q || context) then tau_stu
     student_pos: list  # indices of tau_stu's policy-sampled tokens in `student`
     teacher_pos: list  # the same tokens' indices in `teacher`
 
 
-PRIVILEGED = ("\n\nFor reference, here is a correct and efficient solution to this question, "
-              "with its searches and the retrieved documents:\n{tau_ref}\n")
+# What the teacher sees: the framing of each ofsd_context, appended to the teacher's user message.
+FULL = ("\n\nFor reference, here is a correct and efficient solution to this question, "
+        "with its searches and the retrieved documents:\n{tau_ref}\n")
+NO_ANSWER = ("\n\nFor reference, here is a correct and efficient solution to this question, with its "
+             "searches and the retrieved documents, stopped before its final answer:\n{tau_ref}\n")
+QUERIES = "\n\nFor reference, a correct and efficient solution to this question searched for, in order:\n{queries}\n"
+GROUP_QUERIES = ("\n\nFor reference, earlier attempts at this question searched for the following, each "
+                 "marked by whether its final answer was correct:\n{attempts}\n")
+NO_SEARCH = "(nothing: it answered without searching)"
+CONTEXTS = ("full", "no_answer", "queries", "group_queries")
+POSITIONS = ("policy", "queries")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -110,7 +127,8 @@ def mine_pairs(trajs, rewards, group_size):
         found = mine_pair(trajs[s:s + group_size], rewards[s:s + group_size])
         if found:
             ref, stu, incorrect = found
-            pairs.append(Pair(trajs[s + ref], trajs[s + stu], incorrect))
+            group = tuple((tuple(t.queries), r) for t, r in zip(trajs[s:s + group_size], rewards[s:s + group_size]))
+            pairs.append(Pair(trajs[s + ref], trajs[s + stu], incorrect, group=group))
     return pairs
 
 
@@ -126,16 +144,72 @@ def mine(trajs, questions, group_size, ofsd_students="any"):
 # ----------------------------------------------------------------------------------------------
 # 2. conditioning
 
-def privileged(tokenizer, ref):
-    """The teacher view's addition to the user message: tau_ref's response as a worked solution."""
-    return PRIVILEGED.format(tau_ref=tokenizer.decode(ref.tokens[ref.prompt_len:]))
+def privileged(tokenizer, pair, context):
+    """The teacher view's addition to the user message: what `context` (one of CONTEXTS) shows of
+    the pair's tau_ref, or of its group."""
+    ref = pair.ref
+    if context == "full":
+        return FULL.format(tau_ref=tokenizer.decode(ref.tokens[ref.prompt_len:]))
+    if context == "no_answer":
+        response = tokenizer.decode(ref.tokens[ref.prompt_len:])
+        cut = response.rfind("<answer>")
+        return NO_ANSWER.format(tau_ref=response[:cut] if cut >= 0 else response)
+    if context == "queries":
+        return QUERIES.format(queries="\n".join(f"{i}. {q}" for i, q in enumerate(ref.queries, 1)) or NO_SEARCH)
+    if context == "group_queries":
+        if not pair.group:
+            raise ValueError(f"ofsd_context='group_queries' needs the pair's group (Pair.group); the pair of "
+                             f"{ref.question!r} was mined without it")
+        return GROUP_QUERIES.format(attempts="\n".join(
+            f"- {'correct' if r > 0 else 'incorrect'}: {' | '.join(qs) if qs else NO_SEARCH}" for qs, r in pair.group))
+    raise ValueError(f"ofsd_context={context!r}: must be one of {', '.join(CONTEXTS)}")
 
 
-def pair_sequences(tokenizer, ref, stu):
-    """The PairSequences of a pair: both views' token ids and the aligned loss positions."""
+def max_context_tokens(tokenizer, context, response, group_size):
+    """At most how many tokens `privileged` adds for a response of at most `response` tokens:
+    the framing and tau_ref's response ("full", "no_answer"; a query list is shorter than the
+    response it came from, whose observations it leaves out), or every sibling's ("group_queries",
+    a few tokens more a line for its mark)."""
+    framing = {"full": FULL, "no_answer": NO_ANSWER, "queries": QUERIES, "group_queries": GROUP_QUERIES}[context]
+    mark = len(tokenizer.encode("\n- incorrect: " + NO_SEARCH))
+    return len(tokenizer.encode(framing)) + (group_size * (response + mark) if context == "group_queries" else response)
+
+
+def query_positions(tokenizer, stu):
+    """Indices of tau_stu's policy-sampled tokens that wrote a search query the rollout ran: in each
+    turn (a run of policy tokens) whose action (rollout.ACTION, the first tag pair) is a search, the
+    tokens that overlap its query and closing tag, "q</search>" of "<search>q</search>"."""
+    out, p, end = [], stu.prompt_len, len(stu.tokens)
+    while p < end:
+        if not stu.loss_mask[p]:
+            p += 1
+            continue
+        turn = p
+        while p < end and stu.loss_mask[p]:
+            p += 1
+        pieces = [tokenizer.decode([t]) for t in stu.tokens[turn:p]]  # byte-level: tags survive any split
+        m = ACTION.search("".join(pieces))
+        if m and m.group(1) == "search":
+            offset = 0
+            for i, piece in enumerate(pieces):
+                if offset < m.end() and offset + len(piece) > m.start(2):
+                    out.append(turn + i)
+                offset += len(piece)
+    return out
+
+
+def pair_sequences(tokenizer, stu, context, positions="policy"):
+    """The PairSequences of tau_stu with `context` (text) added to the teacher's user message: both
+    views' token ids and the aligned loss positions, every policy token ("policy") or only those
+    inside search queries ("queries")."""
     response = stu.tokens[stu.prompt_len:]
-    teacher_prompt = tokenizer.encode(tokenizer.chat_prompt(make_prompt(stu.question) + privileged(tokenizer, ref)))
-    pos = [p for p in range(stu.prompt_len, len(stu.tokens)) if stu.loss_mask[p]]
+    teacher_prompt = tokenizer.encode(tokenizer.chat_prompt(make_prompt(stu.question) + context))
+    if positions == "policy":
+        pos = [p for p in range(stu.prompt_len, len(stu.tokens)) if stu.loss_mask[p]]
+    elif positions == "queries":
+        pos = query_positions(tokenizer, stu)
+    else:
+        raise ValueError(f"ofsd_positions={positions!r}: must be one of {', '.join(POSITIONS)}")
     shift = len(teacher_prompt) - stu.prompt_len
     return PairSequences(stu.tokens, teacher_prompt + response, pos, [p + shift for p in pos])
 
@@ -157,12 +231,13 @@ def _gather_hidden(model, seqs, positions):
 # 3. the round
 
 def ofsd_round(policy, tokenizer, index, questions, *, group_size, rollout_args, generator, ofsd_students, lora_rank,
-               lora_alpha, lora_lr, lora_epochs, ofsd_micro_batch, tau_clip, ofsd_clip, max_grad_norm, kl_chunk,
-               lora_seed, log):
+               lora_alpha, lora_lr, lora_epochs, ofsd_micro_batch, tau_clip, ofsd_clip, ofsd_context, ofsd_positions,
+               max_grad_norm, kl_chunk, lora_seed, log):
     """One OFSD round: G rollouts of the current policy per question, EM rewards, one mined pair per
     question (all ranks' pairs, when distributed), then `distill`. ofsd_students="incorrect" keeps only
-    the pairs whose student is incorrect ("any": the paper's rule); `lora_seed` seeds the adapter's
-    initialisation and the order of the pairs. Returns its metrics."""
+    the pairs whose student is incorrect ("any": the paper's rule); ofsd_context is what the teacher
+    sees, ofsd_positions where the loss counts; `lora_seed` seeds the adapter's initialisation and
+    the order of the pairs. Returns its metrics."""
     with torch.no_grad():
         trajs = rollout(policy, tokenizer, index, [q["question"] for q in questions], group_size, generator=generator,
                         **rollout_args)
@@ -170,10 +245,11 @@ def ofsd_round(policy, tokenizer, index, questions, *, group_size, rollout_args,
     # every rank distills all ranks' pairs (the round is cheap; sharded weights are all-gathered
     # layer by layer, so every rank must run the same passes)
     mined = fsdp.all_ranks(mined)
-    before = mined_diagnostics(policy, tokenizer, index, mined, rollout_args, kl_chunk) if mined else {}
+    before = mined_diagnostics(policy, tokenizer, index, mined, rollout_args, kl_chunk, ofsd_context) if mined else {}
     metrics = distill(policy, tokenizer, mined, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_lr=lora_lr,
                       lora_epochs=lora_epochs, ofsd_micro_batch=ofsd_micro_batch, tau_clip=tau_clip,
-                      ofsd_clip=ofsd_clip, max_grad_norm=max_grad_norm, kl_chunk=kl_chunk, seed=lora_seed, log=log)
+                      ofsd_clip=ofsd_clip, ofsd_context=ofsd_context, ofsd_positions=ofsd_positions,
+                      max_grad_norm=max_grad_norm, kl_chunk=kl_chunk, seed=lora_seed, log=log)
     if mined:  # the round's effect on its own questions, by whether the student was incorrect
         after, _ = greedy_scores(policy, tokenizer, index, mined, rollout_args)
         metrics.update(before, **split_em("mined_em_after", after, mined))
@@ -186,10 +262,10 @@ def ofsd_round(policy, tokenizer, index, questions, *, group_size, rollout_args,
 SEGMENTS = ("think", "search", "answer")
 
 
-def greedy_scores(policy, tokenizer, index, mined, rollout_args, teacher_view=False):
-    """One greedy rollout per mined question from the student view, or the teacher view (tau_ref
-    shown): (EM per question, searches per question)."""
-    contexts = [privileged(tokenizer, p.ref) for p in mined] if teacher_view else None
+def greedy_scores(policy, tokenizer, index, mined, rollout_args, context=None):
+    """One greedy rollout per mined question from the student view (context None), or the teacher
+    view that `context` (one of CONTEXTS) renders: (EM per question, searches per question)."""
+    contexts = [privileged(tokenizer, p, context) for p in mined] if context else None
     greedy = dict(rollout_args, temperature=0.0, top_p=1.0)
     with torch.no_grad():
         trajs = rollout(policy, tokenizer, index, [p.stu.question for p in mined], 1,
@@ -213,14 +289,16 @@ def segment_of(text):
 
 
 @torch.no_grad()
-def token_diagnostics(model, tokenizer, mined, kl_chunk):
+def token_diagnostics(model, tokenizer, mined, kl_chunk, context):
     """Over the loss positions of every pair: the share where the teacher's most likely token is
     not the token the student sampled, the mean true KL of a position in each segment, and at the
     positions where the student's sampled token completes "<search" (its choice to search rather
-    than answer), the mean probability each view gives that token (None where no such position)."""
+    than answer), the mean probability each view gives that token (None where no such position).
+    The teacher view is the one `context` renders."""
     differ, n, kl, opens = 0, 0, {s: [] for s in SEGMENTS + ("other",)}, {"student": [], "teacher": []}
-    for ref, stu, *_ in mined:
-        s_ids, t_ids, s_pos, t_pos = pair_sequences(tokenizer, ref, stu)  # a PairSequences
+    for pair in mined:
+        stu = pair.stu
+        s_ids, t_ids, s_pos, t_pos = pair_sequences(tokenizer, stu, privileged(tokenizer, pair, context))
         if not s_pos:
             continue
         h_s, h_t = _gather_hidden(model, [s_ids], [s_pos]), _gather_hidden(model, [t_ids], [t_pos])  # (n, d)
@@ -243,24 +321,26 @@ def token_diagnostics(model, tokenizer, mined, kl_chunk):
     return out
 
 
-def mined_diagnostics(policy, tokenizer, index, mined, rollout_args, kl_chunk):
-    """Before the round: greedy EM from the teacher and the student views (the headroom to distil;
+def mined_diagnostics(policy, tokenizer, index, mined, rollout_args, kl_chunk, context):
+    """Before the round: greedy EM from the teacher view (as `context` renders it) and the student
+    view (the headroom to distil;
     the teacher's also split by whether the pair's student was incorrect, as mined_em_before is),
     each view's searches a question, the teacher/student disagreement and true KL by segment."""
     student, student_searches = greedy_scores(policy, tokenizer, index, mined, rollout_args)
-    teacher, teacher_searches = greedy_scores(policy, tokenizer, index, mined, rollout_args, teacher_view=True)
+    teacher, teacher_searches = greedy_scores(policy, tokenizer, index, mined, rollout_args, context)
     out = split_em("teacher_em", teacher, mined)  # overall, and split by whether the student was incorrect
     out.update(student_em=sum(student) / len(student), **split_em("mined_em_before", student, mined))
     out.update(student_searches=sum(student_searches) / len(mined), teacher_searches=sum(teacher_searches) / len(mined))
-    out.update(token_diagnostics(policy, tokenizer, mined, kl_chunk))
+    out.update(token_diagnostics(policy, tokenizer, mined, kl_chunk, context))
     return out
 
 
 def distill(model, tokenizer, pairs, *, lora_rank, lora_alpha, lora_lr, lora_epochs, ofsd_micro_batch, tau_clip,
-            ofsd_clip, max_grad_norm, kl_chunk, seed, log=None):
-    """Distill each Pair's teacher view into its student view through LoRA, then merge.
-    `log(epoch, step, loss)` is called after every optimizer step."""
-    items = pair_items(model, tokenizer, pairs, ofsd_micro_batch)
+            ofsd_clip, ofsd_context, ofsd_positions, max_grad_norm, kl_chunk, seed, log=None):
+    """Distill each Pair's teacher view (what ofsd_context shows) into its student view through LoRA
+    at the positions ofsd_positions names, then merge. `log(epoch, step, loss)` is called after
+    every optimizer step."""
+    items = pair_items(model, tokenizer, pairs, ofsd_micro_batch, ofsd_context, ofsd_positions)
     metrics = dict(pairs=len(pairs), incorrect_students=sum(p.incorrect for p in pairs), losses=[])
     if not items:
         return metrics
@@ -306,10 +386,12 @@ def merge_adapter(model, params):
         p.requires_grad_(True)
 
 
-def pair_items(model, tokenizer, pairs, micro_batch):
-    """(PairSequences, teacher states (n, d)) for each Pair whose student has a policy token (one
-    without has nothing to learn); the teacher states are the model's as it is now, adapter off."""
-    data = [d for d in (pair_sequences(tokenizer, p.ref, p.stu) for p in pairs) if d.student_pos]
+def pair_items(model, tokenizer, pairs, micro_batch, context, positions):
+    """(PairSequences, teacher states (n, d)) for each Pair whose student has a loss position (one
+    without has nothing to learn); the teacher view is what `context` renders, the positions what
+    `positions` names; the teacher states are the model's as it is now, adapter off."""
+    data = [pair_sequences(tokenizer, p.stu, privileged(tokenizer, p, context), positions) for p in pairs]
+    data = [d for d in data if d.student_pos]
     return list(zip(data, teacher_states(model, data, micro_batch)))
 
 

@@ -49,7 +49,7 @@ from tokenizer import Tokenizer
 import index_build
 import retriever
 from rollout import INFO_CLOSE, INFO_OPEN, INSTRUCTION, INVALID, exact_match, extract_answer, make_prompt, observation
-from ofsd import PRIVILEGED
+from ofsd import FULL
 from checkpoint import write_atomic
 from toyworld import read_jsonl, stamped, write_world
 
@@ -219,7 +219,7 @@ def scripted_tokens(tokenizer, q, index, rng, top_k, reference=None):
     the question or a document (names, years): the skill a tiny model is slowest to pick up.
 
     reference="clean" or "sampled": the prompt also shows a reference trajectory in OFSD's teacher
-    wording (ofsd.PRIVILEGED), and the agent follows it move for move, so the backbone reads
+    wording (ofsd.FULL, the "full" context), and the agent follows it move for move, so the backbone reads
     privileged context the way an instruct model reads a worked example (OFSD's teacher relies on
     that). "clean": the clean scripted trajectory;
     "sampled": what OFSD's mining shows, a correct sample of the imperfect agent (drawn until one is
@@ -238,7 +238,7 @@ def scripted_tokens(tokenizer, q, index, rng, top_k, reference=None):
         ref_ids = _turn_tokens(tokenizer, turns, obs, set(), template)[0]
         if reference == "sampled":  # as a rollout records it; the warm start's clean references keep
             ref_ids = ref_ids[:-1]  # version 4's final <|im_end|>, so that phase builds version 4's weights
-        message += PRIVILEGED.format(tau_ref=tokenizer.decode(ref_ids))
+        message += FULL.format(tau_ref=tokenizer.decode(ref_ids))
         context |= set(ref_ids)
     else:
         turns, obs = scripted_turns(q, index, rng, top_k)

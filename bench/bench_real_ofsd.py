@@ -11,6 +11,10 @@ segment). Then each arm, from a fresh copy of the checkpoint, on exactly those p
     rft            the same LoRA round minimising the NLL of tau_ref's own policy tokens in the
                    student view, each pair's mean over its tokens (rejection-sampling fine-tuning:
                    learning from the successful sibling without a teacher), the adapter merged
+    rft-kl         rft's NLL plus --kl_weight times the plain forward KL (ofsd_clip "none") from the
+                   teacher view, on the pairs with both a tau_ref token and a loss position
+The teacher view of every arm and diagnostic is what --ofsd_context shows (ofsd.privileged), the
+distillation's positions what --ofsd_positions names; a row records both.
 and after it greedy EM on the mined questions (from the student and the teacher view) and on the
 first `--test` test questions, which no arm mines or trains on (per type, searches per question).
 The weights are float32 with bfloat16 compute where `--dtype=auto` picks it (FSDP2 on one rank, as
@@ -63,7 +67,8 @@ import toyagent  # noqa: E402
 from model import Qwen2Config, load  # noqa: E402
 from rollout import Trajectory, rollout  # noqa: E402
 
-ARMS = ("none-round", "ofsd-vocab", "ofsd-position", "ofsd-none", "rft")
+ARMS = ("none-round", "ofsd-vocab", "ofsd-position", "ofsd-none", "rft", "rft-kl")
+VIEW = ("ofsd_context", "ofsd_positions")  # what the teacher sees, where the KL counts
 ROUND = ("lora_rank", "lora_alpha", "lora_lr", "lora_epochs", "ofsd_micro_batch", "tau_clip", "max_grad_norm", "kl_chunk")
 
 
@@ -82,14 +87,15 @@ def mined_pairs(path, mine_them):
     if path and os.path.exists(path):
         with open(path) as f:
             saved = json.load(f)
-        pairs = [ofsd.Pair(Trajectory(**p["ref"]), Trajectory(**p["stu"]), p["incorrect"], tuple(p["golds"]))
+        pairs = [ofsd.Pair(Trajectory(**p["ref"]), Trajectory(**p["stu"]), p["incorrect"], tuple(p["golds"]),
+                           tuple((tuple(qs), r) for qs, r in p.get("group", ())))  # files before #48 hold no group
                  for p in saved["pairs"]]
         return pairs, saved["before"], saved["seconds"]
     pairs, before, seconds = mine_them()
     if path:
         write_atomic(path, json.dumps(dict(before=before, seconds=seconds, pairs=[
             dict(ref=dataclasses.asdict(p.ref), stu=dataclasses.asdict(p.stu), incorrect=p.incorrect,
-                 golds=list(p.golds)) for p in pairs])))
+                 golds=list(p.golds), group=[[list(qs), r] for qs, r in p.group]) for p in pairs])))
     return pairs, before, seconds
 
 
@@ -103,15 +109,25 @@ def tau_ref_nll(model, refs, pad_id):
 
 
 def rft(model, tokenizer, pairs, *, lora_rank, lora_alpha, lora_lr, lora_epochs, ofsd_micro_batch, max_grad_norm,
-        kl_chunk, seed, log=None):
+        kl_chunk, seed, ofsd_context, ofsd_positions, kl_weight=0.0, log=None):
     """The control: ofsd.distill's LoRA round (the same adapter, optimizer, batches and order) on
-    the NLL of tau_ref in the student view instead of the teacher's KL, then merge. Reports, as
-    distill does, the true KL from the round's starting teacher view and P(its top token) before -> after."""
+    the NLL of tau_ref in the student view instead of the teacher's KL, then merge; with kl_weight > 0
+    (arm rft-kl) plus kl_weight times the plain forward KL from the teacher view of the same pairs.
+    Reports, as distill does, the true KL from the round's starting teacher view and P(its top
+    token) before -> after."""
     refs = [p.ref for p in pairs if sum(p.ref.loss_mask)]
     metrics = dict(pairs=len(pairs), incorrect_students=sum(p.incorrect for p in pairs), losses=[])
     if not refs:
         return metrics
-    items = ofsd.pair_items(model, tokenizer, pairs, ofsd_micro_batch)  # the teacher before the round
+    # the teacher before the round
+    items = ofsd.pair_items(model, tokenizer, pairs, ofsd_micro_batch, ofsd_context, ofsd_positions)
+    data, batch_loss = refs, lambda m, batch: tau_ref_nll(m, batch, tokenizer.pad_id)  # noqa: E731
+    if kl_weight > 0:  # (tau_ref, (PairSequences, teacher states)) of the pairs that have both
+        with_pos = [p for p in pairs if ofsd.pair_sequences(tokenizer, p.stu, ofsd.privileged(tokenizer, p, ofsd_context),
+                                                            ofsd_positions).student_pos]  # pair_items' pairs, in order
+        data = [(p.ref, item) for p, item in zip(with_pos, items) if sum(p.ref.loss_mask)]
+        batch_loss = lambda m, batch: (tau_ref_nll(m, [r for r, _ in batch], tokenizer.pad_id) +  # noqa: E731
+                                       kl_weight * ofsd.pair_loss(m, [i for _, i in batch], 0.0, "none", kl_chunk))
     params = lora.attach(model, lora_rank, lora_alpha)
 
     def measure(when):
@@ -120,9 +136,8 @@ def rft(model, tokenizer, pairs, *, lora_rank, lora_alpha, lora_lr, lora_epochs,
         stats = ofsd.pair_stats(model, items, 0.0, "none", ofsd_micro_batch, kl_chunk) if items else {}
         metrics.update({f"{k}_{when}": stats[k] for k in ("kl_true", "p_top") if k in stats})
     measure("before")
-    metrics["losses"] = ofsd.fit_adapter(model, params, refs, lambda m, batch: tau_ref_nll(m, batch, tokenizer.pad_id),
-                                         lora_lr=lora_lr, lora_epochs=lora_epochs, micro_batch=ofsd_micro_batch,
-                                         max_grad_norm=max_grad_norm, seed=seed, log=log)
+    metrics["losses"] = ofsd.fit_adapter(model, params, data, batch_loss, lora_lr=lora_lr, lora_epochs=lora_epochs,
+                                         micro_batch=ofsd_micro_batch, max_grad_norm=max_grad_norm, seed=seed, log=log)
     measure("after")
     ofsd.merge_adapter(model, params)
     return metrics
@@ -194,8 +209,18 @@ def chart_svg(ems, draws):
     return "\n".join(out + ["</svg>"]) + "\n"
 
 
+def label(row):
+    """A row's arm, with its teacher view and loss positions where they are not the paper's."""
+    view = (row.get("ofsd_context", "full"), row.get("ofsd_positions", "policy"))
+    weight = f" w={row['kl_weight']:g}" if row.get("kl_weight") else ""
+    return row["arm"] + ("" if view == ("full", "policy") or row["arm"] == "none-round" else f" [{'/'.join(view)}]") + weight
+
+
 def report(rows, arms, chart=""):
-    """The tables, the declared rule's verdict on test EM and the chart, over every draw in rows."""
+    """The tables, the declared rule's verdict on test EM and the chart, over every draw in rows;
+    an arm run with another teacher view is its own arm (`label`)."""
+    rows = [dict(r, arm=label(r)) for r in rows]
+    arms = list(dict.fromkeys([a for a in arms if any(r["arm"] == a for r in rows)] + [r["arm"] for r in rows]))
     print("\n" + rounds_table(rows))
     types = sorted({t for r in rows for t in r["test"] if t != "all"})
     print("\n| arm | test EM | " + " | ".join(types) + " | searches/q | mined EM after | teacher view after |")
@@ -211,7 +236,7 @@ def report(rows, arms, chart=""):
     print("\nthe rule, on test EM:")
     for arm in arms:
         for other in ("rft", "none-round"):
-            if arm.startswith("ofsd-") and other in ems:
+            if arm not in ("rft", "none-round") and other in ems:
                 print(verdict(arm, ems[arm], other, ems[other]))
     if "rft" in ems and "none-round" in ems:
         print(verdict("rft", ems["rft"], "none-round", ems["none-round"]))
@@ -232,6 +257,9 @@ def main():
     ap.add_argument("--group_size", type=int, default=DEFAULTS["group_size"])
     for k in PROTOCOL + ("eval_batch",) + ROUND:
         ap.add_argument(f"--{k}", type=type(DEFAULTS[k]), default=DEFAULTS[k])
+    for k in VIEW:
+        ap.add_argument(f"--{k}", default=DEFAULTS[k])
+    ap.add_argument("--kl_weight", type=float, default=0.0, help="rft-kl: the weight of the KL beside the NLL")
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     ap.add_argument("--activation_checkpointing", default="true", choices=("true", "false"),
                     help="recompute each decoder layer in backward in the LoRA rounds (memory; the same math)")
@@ -244,6 +272,11 @@ def main():
     arms = args.arms.split(",")
     if set(arms) - set(ARMS):
         sys.exit(f"unknown arms {sorted(set(arms) - set(ARMS))}; known: {', '.join(ARMS)}")
+    if args.ofsd_context not in ofsd.CONTEXTS or args.ofsd_positions not in ofsd.POSITIONS:
+        sys.exit(f"--ofsd_context must be one of {', '.join(ofsd.CONTEXTS)}, --ofsd_positions one of "
+                 f"{', '.join(ofsd.POSITIONS)}")
+    if "rft-kl" in arms and not args.kl_weight > 0:
+        sys.exit("arm rft-kl needs --kl_weight > 0 (declared before the run)")
     world_dir, _ = toyagent.ensure(args.world_dir, DEFAULTS["world_seed"], DEFAULTS["top_k"])
     index = retriever.load_index(os.path.join(world_dir, "index"))
     train = read_questions(os.path.join(world_dir, "train.jsonl"))
@@ -252,12 +285,15 @@ def main():
     _, _, dev, dt = fsdp.setup("auto", args.dtype, width)
     rollout_args = {k: getattr(args, k) for k in PROTOCOL}
     protocol = {k: v for k, v in rollout_args.items() if k not in ("temperature", "top_p")}  # greedy eval's
-    round_args = {k: getattr(args, k) for k in ROUND}
+    round_args = {k: getattr(args, k) for k in ROUND + VIEW}
+    context = args.ofsd_context
     print(f"{args.checkpoint} | {dt} | {torch.get_num_threads()} threads | {len(test)} test questions "
           f"| {rollout_args} | {round_args}", flush=True)
     recompute = args.activation_checkpointing == "true"
     rows = [json.loads(line) for line in open(args.out)] if args.out and os.path.exists(args.out) else []
-    done = {(r["seed"], r["arm"]) for r in rows}  # a resumed run skips these
+    view = (args.ofsd_context, args.ofsd_positions)
+    done = {(r["seed"], r["arm"]) for r in rows  # a resumed run skips these (none-round: any view)
+            if r["arm"] == "none-round" or (r.get("ofsd_context", "full"), r.get("ofsd_positions", "policy")) == view}
     baseline = next((r["test"] for r in rows if r["arm"] == "none-round"), None)
     for seed in [int(s) for s in args.seeds.split(",")]:
         if all((seed, arm) in done for arm in arms):
@@ -272,10 +308,15 @@ def main():
                                 generator=torch.Generator(device=dev).manual_seed(seed), **rollout_args)
             mined = ofsd.mine(trajs, questions, args.group_size)
             del trajs  # the pairs keep their two trajectories each
-            before = ofsd.mined_diagnostics(model, tok, index, mined, rollout_args, args.kl_chunk) if mined else {}
-            return mined, before, time.time() - t0
+            before = ofsd.mined_diagnostics(model, tok, index, mined, rollout_args, args.kl_chunk, context) if mined else {}
+            return mined, dict(before, context=context), time.time() - t0
 
         mined, before, seconds = mined_pairs(args.out and f"{args.out}.pairs-seed{seed}.json", mine_them)
+        if mined and before.get("context", "full") != context:  # pairs mined with another teacher view's diagnostics
+            model, tok = policy(args.checkpoint, dev, dt)
+            before = dict(ofsd.mined_diagnostics(model, tok, index, mined, rollout_args, args.kl_chunk, context),
+                          context=context)
+            model = None
         print(f"seed {seed} | mined {len(mined)} of {min(args.questions, len(train))} | teacher_em "
               f"{before.get('teacher_em')} | student_em {before.get('student_em')} | p_search teacher "
               f"{before.get('p_search_teacher')} | student {before.get('p_search_student')} | {seconds:.0f}s", flush=True)
@@ -287,15 +328,17 @@ def main():
             torch.manual_seed(seed)  # the adapter's initialisation, the same for every arm of a seed
             log = lambda epoch, n, loss: print(  # noqa: E731
                 f"seed {seed} | {arm} | epoch {epoch} | step {n:4d} | loss {loss:.5f} | {time.time() - t1:.0f}s", flush=True)
-            if arm == "rft":
-                m = rft(model, tok, mined, seed=seed, log=log, **{k: v for k, v in round_args.items() if k != "tau_clip"})
+            if arm.startswith("rft"):
+                m = rft(model, tok, mined, seed=seed, log=log, kl_weight=args.kl_weight if arm == "rft-kl" else 0.0,
+                        **{k: v for k, v in round_args.items() if k != "tau_clip"})
             elif arm.startswith("ofsd-"):
                 m = ofsd.distill(model, tok, mined, ofsd_clip=arm[len("ofsd-"):], seed=seed, log=log, **round_args)
             else:
                 m = {}
             if arm != "none-round" and mined:
                 for view, name in (("student", "mined_em_after"), ("teacher", "teacher_em_after")):
-                    em, searches = ofsd.greedy_scores(model, tok, index, mined, rollout_args, view == "teacher")
+                    em, searches = ofsd.greedy_scores(model, tok, index, mined, rollout_args,
+                                                      context if view == "teacher" else None)
                     m.update(ofsd.split_em(name, em, mined), **{f"{view}_searches_after": sum(searches) / len(mined)})
             if arm == "none-round" and baseline is not None:
                 summary = baseline
@@ -303,6 +346,7 @@ def main():
                 summary = test_em(model, tok, index, test, protocol, args.eval_batch)
             baseline = summary if arm == "none-round" else baseline
             row = dict(policy=args.policy, seed=seed, arm=arm, mined=len(mined), before=before, test=summary,
+                       **{k: getattr(args, k) for k in VIEW}, kl_weight=args.kl_weight if arm == "rft-kl" else None,
                        round={k: v for k, v in m.items() if k != "losses"}, losses=m.get("losses", []),
                        seconds=time.time() - t1)
             rows.append(row)

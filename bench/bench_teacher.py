@@ -53,7 +53,7 @@ def headroom(folder, index, questions, rollout_args, group_size, seed, dtype):
     mined = mine(trajs, questions, group_size)
     kind_of = {q["question"]: q.get("type", "-") for q in questions}
     student, _ = greedy_scores(model, tok, index, mined, rollout_args)
-    teacher, _ = greedy_scores(model, tok, index, mined, rollout_args, teacher_view=True)
+    teacher, _ = greedy_scores(model, tok, index, mined, rollout_args, "full")  # the paper's teacher view
     splits = [("all", lambda p: True)]
     splits += [(f"type {k}", lambda p, k=k: kind_of[p.stu.question] == k) for k in sorted(set(kind_of.values()))]
     splits += [("student incorrect", lambda p: p.incorrect), ("student correct", lambda p: not p.incorrect)]

@@ -89,6 +89,30 @@ def test_unknown_key_is_rejected():
     assert p.returncode != 0 and "unknown argument '--learning_rate=1'" in p.stderr and "tau_clip" in p.stderr
 
 
+def test_bad_view_settings_are_refused_before_anything_is_written(tmp_path):
+    """A bad --ofsd_context or --ofsd_positions is refused by the command, naming the key, with no run folder."""
+    out = tmp_path / "run"
+    p = evolve([f"--out_dir={out}", "--ofsd_context=answer", "--ofsd_positions=all"])
+    assert p.returncode != 0 and not out.exists()
+    assert "--ofsd_context='answer'" in p.stderr and "--ofsd_positions='all'" in p.stderr
+
+
+def test_help_lists_every_setting_with_its_default_and_comment():
+    """--help exits 0 and prints each setting once, as --key=default, with the comment beside it in evolve.py."""
+    sys.path.insert(0, ROOT)
+    import evolve as ev
+    p = evolve(["--help"])
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    for key in ev.config_keys:
+        mine = [line for line in lines if line.startswith(f"  --{key}={ev.DEFAULTS[key]} ")]
+        assert len(mine) == 1, key
+        source = next(line for line in open(os.path.join(ROOT, "evolve.py")) if line.startswith(f"{key} = "))
+        assert mine[0].split(None, 1)[1].strip() == source.split("# ", 1)[1].strip(), key
+    assert "each marked correct or incorrect" in p.stdout  # a continuation line of a comment
+    assert "PRIVILEGED" not in ev.config_keys and "--PRIVILEGED" not in p.stdout
+
+
 def test_overrides_parse_types():
     """An int is accepted for a float; bools take true/false; --resume alone is True."""
     sys.path.insert(0, ROOT)

@@ -24,6 +24,11 @@ def traj(policy, n_search=0, question="q"):
     return t
 
 
+def views(tokenizer, ref, stu, context="full", positions="policy"):
+    """ofsd.pair_sequences of the pair (ref, stu) with the teacher context `context` renders."""
+    return ofsd.pair_sequences(tokenizer, stu, ofsd.privileged(tokenizer, ofsd.Pair(ref, stu, True), context), positions)
+
+
 def test_reference_is_correct_with_fewest_searches():
     """tau_ref: the correct trajectory with the fewest searches; ties to the shortest."""
     g = [traj([5, 6, 7], 2), traj([5, 6, 7, 8], 1), traj([5, 6], 1), traj([9, 9], 0)]
@@ -63,11 +68,11 @@ def test_conditioning_aligns_student_tokens(agent, tokenizer, search_index):
     """Teacher = prompt with tau_ref as privileged context, then tau_stu; positions line up."""
     ref, stu = run(agent, tokenizer, search_index, [AGENT_QUESTION], G=2, temperature=1.0,
                    generator=torch.Generator().manual_seed(0))
-    s_ids, t_ids, s_pos, t_pos = ofsd.pair_sequences(tokenizer, ref, stu)
+    s_ids, t_ids, s_pos, t_pos = views(tokenizer, ref, stu)
     assert s_ids == stu.tokens and [s_ids[p] for p in s_pos] == [t_ids[p] for p in t_pos]
     assert s_pos == [p for p, m in enumerate(stu.loss_mask) if m]
     teacher_prompt = tokenizer.decode(t_ids[:len(t_ids) - (len(stu.tokens) - stu.prompt_len)])
-    assert teacher_prompt == tokenizer.chat_prompt(rollout.make_prompt(AGENT_QUESTION) + ofsd.PRIVILEGED.format(
+    assert teacher_prompt == tokenizer.chat_prompt(rollout.make_prompt(AGENT_QUESTION) + ofsd.FULL.format(
         tau_ref=tokenizer.decode(ref.tokens[ref.prompt_len:])))
 
 
@@ -90,7 +95,7 @@ def test_teacher_pass_ignores_adapter(agent, tokenizer, search_index):
     model = copy.deepcopy(agent)
     trajs = run(model, tokenizer, search_index, [AGENT_QUESTION], G=2, temperature=1.0,
                 generator=torch.Generator().manual_seed(0))
-    batch = [ofsd.pair_sequences(tokenizer, trajs[0], trajs[1])]
+    batch = [views(tokenizer, trajs[0], trajs[1])]
     _, t_ids, _, t_pos = batch[0]
     with torch.no_grad():
         base = ofsd._gather_hidden(model, [t_ids], [t_pos])
@@ -124,8 +129,8 @@ def test_round_lowers_kl_and_merges(agent, tokenizer, search_index):
     ofsd.lora.merge = spy_merge
     try:
         out = ofsd.distill(model, tokenizer, pairs, lora_rank=4, lora_alpha=8, lora_lr=5e-3, lora_epochs=8,
-                           ofsd_micro_batch=2, tau_clip=1.0, ofsd_clip="vocab", max_grad_norm=1.0, kl_chunk=256,
-                           seed=0)
+                           ofsd_micro_batch=2, tau_clip=1.0, ofsd_clip="vocab", ofsd_context="full",
+                           ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=256, seed=0)
     finally:
         ofsd.lora.merge = original
     assert out["pairs"] == 2 and out["incorrect_students"] == 1
@@ -151,8 +156,8 @@ def test_token_diagnostics_equal_a_full_forward(agent, tokenizer, search_index):
         if trajs[1].n_search:
             break
     mined = [ofsd.Pair(trajs[0], trajs[1], True, ("Paris",))]
-    got = ofsd.token_diagnostics(agent, tokenizer, mined, kl_chunk=7)
-    s_ids, t_ids, s_pos, t_pos = ofsd.pair_sequences(tokenizer, trajs[0], trajs[1])
+    got = ofsd.token_diagnostics(agent, tokenizer, mined, kl_chunk=7, context="full")
+    s_ids, t_ids, s_pos, t_pos = views(tokenizer, trajs[0], trajs[1])
     with torch.no_grad():
         ls = torch.log_softmax(agent(torch.tensor([s_ids]))[0].double(), -1)[[p - 1 for p in s_pos]]  # (n, V)
         lt = torch.log_softmax(agent(torch.tensor([t_ids]))[0].double(), -1)[[p - 1 for p in t_pos]]
@@ -180,7 +185,8 @@ def test_round_reports_its_diagnostics(agent, tokenizer, search_index):
                  {"question": "which lake is near London", "golden_answers": ["Paris"]}]
     m = ofsd.ofsd_round(model, tokenizer, search_index, questions, group_size=4, ofsd_students="any", lora_rank=4,
                         lora_alpha=8, lora_lr=1e-3, lora_epochs=1, ofsd_micro_batch=2, tau_clip=0.05,
-                        ofsd_clip="vocab", max_grad_norm=1.0, kl_chunk=64, lora_seed=0, log=None,
+                        ofsd_clip="vocab", ofsd_context="full", ofsd_positions="policy", max_grad_norm=1.0,
+                        kl_chunk=64, lora_seed=0, log=None,
                         rollout_args=dict(max_turns=2, max_turn_tokens=40, max_obs_tokens=400, top_k=3,
                                           temperature=1.0, top_p=1.0), generator=torch.Generator().manual_seed(0))
     assert m["pairs"] >= 1
@@ -200,7 +206,7 @@ def test_greedy_scores_read_each_view(agent, tokenizer, search_index):
     args = dict(max_turns=2, max_turn_tokens=40, max_obs_tokens=400, top_k=3, temperature=1.0, top_p=1.0)
     pairs = [ofsd.Pair(trajs[i], trajs[i + 1], True) for i in range(0, len(trajs), 3)]
     views = {}
-    for view, contexts in (("student", None), ("teacher", [ofsd.privileged(tokenizer, p.ref) for p in pairs])):
+    for view, contexts in (("student", None), ("teacher", [ofsd.privileged(tokenizer, p, "full") for p in pairs])):
         direct = rollout.rollout(agent, tokenizer, search_index, [p.stu.question for p in pairs], 1, contexts=contexts,
                                  generator=None, **dict(args, temperature=0.0))
         views[view] = [t.answer for t in direct]
@@ -212,7 +218,7 @@ def test_greedy_scores_read_each_view(agent, tokenizer, search_index):
     want = {v: [rollout.exact_match(views[v][i], list(g)) for i, g in zip(changed, golds)] for v in ("student", "teacher")}
     assert all(a != b for a, b in zip(want["student"], want["teacher"]))
     for view in ("student", "teacher"):
-        em, searches = ofsd.greedy_scores(agent, tokenizer, search_index, mined, args, teacher_view=view == "teacher")
+        em, searches = ofsd.greedy_scores(agent, tokenizer, search_index, mined, args, "full" if view == "teacher" else None)
         assert em == want[view] and searches == [views[view + " searches"][i] for i in changed], view
 
 
@@ -222,7 +228,8 @@ def test_round_with_incorrect_students_only(agent, tokenizer, search_index):
     questions = [{"question": AGENT_QUESTION, "golden_answers": ["Paris"]},
                  {"question": "which lake is near London", "golden_answers": ["Paris"]}] * 2
     args = dict(group_size=4, lora_rank=4, lora_alpha=8, lora_lr=1e-3, lora_epochs=1, ofsd_micro_batch=2, tau_clip=0.05,
-                ofsd_clip="vocab", max_grad_norm=1.0, kl_chunk=64, lora_seed=0, log=None)
+                ofsd_clip="vocab", ofsd_context="full", ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=64,
+                lora_seed=0, log=None)
     counts = {}
     for students in ("any", "incorrect"):
         m = ofsd.ofsd_round(copy.deepcopy(model), tokenizer, search_index, questions, ofsd_students=students,
@@ -240,7 +247,7 @@ def adapted_pairs(agent, tokenizer, search_index):
     model = copy.deepcopy(agent)
     trajs = run(model, tokenizer, search_index, [AGENT_QUESTION, "Ada"], G=2, temperature=1.3,
                 generator=torch.Generator().manual_seed(4))
-    data = [ofsd.pair_sequences(tokenizer, trajs[0], trajs[1]), ofsd.pair_sequences(tokenizer, trajs[3], trajs[2])]
+    data = [views(tokenizer, trajs[0], trajs[1]), views(tokenizer, trajs[3], trajs[2])]
     assert len(data[0][2]) != len(data[1][2])  # unequal lengths: the per-pair weights matter
     lora.attach(model, r=4, alpha=8)
     torch.manual_seed(0)
@@ -310,9 +317,10 @@ def test_rft_control_fits_tau_ref_and_merges(agent, tokenizer, search_index):
         assert abs(bench_real_ofsd.tau_ref_nll(model, refs, 0).item() - want) <= 1e-5
     torch.manual_seed(0)
     m = bench_real_ofsd.rft(model, tokenizer, pairs, lora_rank=4, lora_alpha=8, lora_lr=1e-2, lora_epochs=3,
-                            ofsd_micro_batch=1, max_grad_norm=1.0, kl_chunk=5, seed=0)
+                            ofsd_micro_batch=1, max_grad_norm=1.0, kl_chunk=5, seed=0, ofsd_context="full",
+                            ofsd_positions="policy")
     assert m["nll_after"] < m["nll_before"] and len(m["losses"]) == 6
-    data = [ofsd.pair_sequences(tokenizer, p.ref, p.stu) for p in pairs]
+    data = [views(tokenizer, p.ref, p.stu) for p in pairs]
     start = ofsd.pair_stats(agent, list(zip(data, ofsd.teacher_states(agent, data, 1))), 0.0, "none", 1, 5)
     assert abs(m["kl_true_before"] - start["kl_true"]) <= 1e-6 and m["kl_true_after"] != m["kl_true_before"]
     assert not lora._wrapped(model) and set(dict(model.named_parameters())) == set(dict(agent.named_parameters()))

@@ -99,6 +99,8 @@ def test_metrics_are_cut_back_to_the_checkpoint():
     (dict(lr=float("inf")), "--lr=inf: must be a finite number"), (dict(tau_clip=float("nan")), "--tau_clip=nan"),
     (dict(ofsd_clip="token"), "--ofsd_clip='token': must be one of vocab, position, none"),
     (dict(search_workers=0), "--search_workers=0"),
+    (dict(ofsd_context="answer"), "--ofsd_context='answer': must be one of full, no_answer, queries, group_queries"),
+    (dict(ofsd_positions="search"), "--ofsd_positions='search': must be one of policy, queries"),
 ])
 def test_bad_setting_is_named(change, named):
     """Each out-of-range setting is refused before anything is written, naming key and range."""

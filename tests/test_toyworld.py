@@ -107,7 +107,7 @@ def test_reading_example_repeats_a_correct_sampled_reference(world):
     _, tok = load(toyagent.SHIPPED)
     index = retriever.load_index(os.path.join(world, "index"))
     rng = random.Random(2)
-    header = ofsd.PRIVILEGED.split("{tau_ref}")[0]
+    header = ofsd.FULL.split("{tau_ref}")[0]
     for q in toyworld.read_jsonl(os.path.join(world, "train.jsonl"))[:30]:
         ids, weight = toyagent.scripted_tokens(tok, q, index, rng, 3, reference="sampled")
         first = next(i for i, w in enumerate(weight) if w > 0)  # the agent's first token
