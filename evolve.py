@@ -161,10 +161,16 @@ def main():
     # float32 weights; sharded over the ranks (fsdp.py) with compute in dt when distributed or dt is
     # not float32 (mixed precision: float32 master weights and AdamW state, bfloat16 compute)
     policy = load(checkpoint.recover(ckpt_dir, rank) if resume else start_model, dev, torch.float32)[0]  # tokenizer above
-    kl_model = load(start_model, dev, torch.float32)[0]  # kl_policy "round": the policy's copy each round
     if dist.is_initialized():
         fsdp.shard(policy, dt)
-        fsdp.shard(kl_model, dt)
+
+    def kl_start():
+        """The KL term's model as the run starts it (kl_policy "round": the policy's copy each round)."""
+        m = load(start_model, dev, torch.float32)[0]
+        if dist.is_initialized():
+            fsdp.shard(m, dt)
+        return m
+    kl_model = kl_start()
     policy.checkpoint_layers = activation_checkpointing
     optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
     if resume:
@@ -199,6 +205,8 @@ def main():
         kind, it = schedule[r]
         t0, row = time.time(), dict(round=r, after=kind, iteration=it)
         if kind == "grpo":
+            if kl_model is None:  # an OFSD round before this one let it go
+                kl_model = kl_start()
             if kl_policy == "round":
                 fsdp.copy_weights(kl_model, policy)
             grpo.grpo_round(
@@ -211,6 +219,12 @@ def main():
                                           state_bytes=fsdp.state_bytes(policy, optimizer, kl_model)), grpo_line(m, it)))
             state["step"] += grpo_steps
         elif kind == "ofsd":
+            # the round needs neither the KL model nor GRPO's AdamW moments: they go for its length (for
+            # the real 0.5B, 7.5 GB of float32); the moments to a file and back, the KL model comes
+            # again at the next GRPO round
+            kl_model = None
+            parked = os.path.join(ckpt_dir, f"parked-optimizer{rank}.pt")  # goes with this checkpoint
+            fsdp.park(optimizer, parked)
             m = ofsd.ofsd_round(
                 policy, tokenizer, index, sample_questions(ofsd_questions), group_size=group_size,
                 rollout_args=rollout_args, generator=gen, ofsd_students=ofsd_students, lora_rank=lora_rank,
@@ -220,6 +234,7 @@ def main():
                 lora_seed=seed * 7919 + r,  # per seed and round; the prime keeps (seed, round) pairs apart
                 log=lambda epoch, n, loss: record(
                     None, f"ofsd | it {it} | epoch {epoch} | step {n:4d} | loss {loss:.5f}"))
+            fsdp.unpark(optimizer, parked)
             row.update({k: v for k, v in m.items() if k != "losses"})  # counts, KL, diagnostics
             record(dict(kind="ofsd_round", **row, losses=m["losses"]), ofsd_line(row, m))
         with fsdp.gathered(policy):  # each rank its share of the test questions, weights gathered once

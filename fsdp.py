@@ -169,6 +169,34 @@ def local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def park(optimizer, path):
+    """Write this rank's optimizer state to `path` and free its memory until `unpark` (for a phase
+    that does not step this optimizer: the OFSD round does not need GRPO's AdamW moments). A plain
+    tensor leaves the state (None in its place); a sharded one keeps its shape, not its storage."""
+    torch.save([local(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)], path)
+    for s in optimizer.state.values():
+        for k, v in s.items():
+            if isinstance(v, DTensor):
+                v.to_local().untyped_storage().resize_(0)
+            elif torch.is_tensor(v):
+                s[k] = None
+    trim_host_memory()
+
+
+def unpark(optimizer, path):
+    """Give the optimizer state back what `park` wrote to `path`, then remove the file."""
+    saved = iter(torch.load(path, weights_only=True))
+    for s in optimizer.state.values():
+        for k, v in s.items():
+            if isinstance(v, DTensor):
+                t, v = v.to_local(), next(saved)
+                t.untyped_storage().resize_(v.untyped_storage().nbytes())
+                t.copy_(v)
+            elif v is None:
+                s[k] = next(saved)
+    os.remove(path)
+
+
 def state_bytes(model, optimizer, reference):
     """Bytes of parameters, gradients, optimizer state and the KL term's model held by each rank:
     a list with one dict per rank (collective: every rank must call it)."""

@@ -144,8 +144,10 @@ def rft(model, tokenizer, pairs, *, lora_rank, lora_alpha, lora_lr, lora_epochs,
 
 
 def test_em(model, tok, index, test, protocol, batch):
+    """(the summary by type, each test question's EM in order: what a paired rule compares)."""
     with fsdp.gathered(model):
-        return summarize(evaluate(model, tok, index, test, batch=batch, **protocol), "type")
+        results = evaluate(model, tok, index, test, batch=batch, **protocol)
+    return summarize(results, "type"), [r["em"] for r in results]
 
 
 def verdict(name, em, other, base):
@@ -294,7 +296,7 @@ def main():
     view = (args.ofsd_context, args.ofsd_positions)
     done = {(r["seed"], r["arm"]) for r in rows  # a resumed run skips these (none-round: any view)
             if r["arm"] == "none-round" or (r.get("ofsd_context", "full"), r.get("ofsd_positions", "policy")) == view}
-    baseline = next((r["test"] for r in rows if r["arm"] == "none-round"), None)
+    baseline = next(((r["test"], r.get("test_em_by_question")) for r in rows if r["arm"] == "none-round"), None)
     for seed in [int(s) for s in args.seeds.split(",")]:
         if all((seed, arm) in done for arm in arms):
             continue
@@ -341,12 +343,13 @@ def main():
                                                       context if view == "teacher" else None)
                     m.update(ofsd.split_em(name, em, mined), **{f"{view}_searches_after": sum(searches) / len(mined)})
             if arm == "none-round" and baseline is not None:
-                summary = baseline
+                summary, by_question = baseline
             else:
-                summary = test_em(model, tok, index, test, protocol, args.eval_batch)
-            baseline = summary if arm == "none-round" else baseline
+                summary, by_question = test_em(model, tok, index, test, protocol, args.eval_batch)
+            baseline = (summary, by_question) if arm == "none-round" else baseline
             row = dict(policy=args.policy, seed=seed, arm=arm, mined=len(mined), before=before, test=summary,
                        **{k: getattr(args, k) for k in VIEW}, kl_weight=args.kl_weight if arm == "rft-kl" else None,
+                       test_em_by_question=by_question,
                        round={k: v for k, v in m.items() if k != "losses"}, losses=m.get("losses", []),
                        seconds=time.time() - t1)
             rows.append(row)

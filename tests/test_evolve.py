@@ -89,6 +89,20 @@ def test_unknown_key_is_rejected():
     assert p.returncode != 0 and "unknown argument '--learning_rate=1'" in p.stderr and "tau_clip" in p.stderr
 
 
+def test_ofsd_round_gives_back_the_optimizer_state_it_let_go(micro, tmp_path):
+    """The OFSD round frees GRPO's AdamW moments (fsdp.park) and gives them back: after it the
+    optimizer state equals the one the GRPO round left (a GRPO-only run of the same round)."""
+    states = {}
+    for name, extra in (("grpo", ["--ofsd_rounds=false"]), ("ofsd", [])):
+        out = str(tmp_path / name)
+        p = evolve(micro + ["--iterations=1", f"--out_dir={out}"] + extra)
+        assert p.returncode == 0, p.stderr[-3000:]
+        states[name] = torch.load(os.path.join(out, "checkpoint", "optimizer.pt"), weights_only=True)["state"]
+    assert states["grpo"].keys() == states["ofsd"].keys() and states["grpo"]
+    for k, v in states["grpo"].items():
+        assert all(torch.equal(v[n], states["ofsd"][k][n]) for n in v), k
+
+
 def test_bad_view_settings_are_refused_before_anything_is_written(tmp_path):
     """A bad --ofsd_context or --ofsd_positions is refused by the command, naming the key, with no run folder."""
     out = tmp_path / "run"
