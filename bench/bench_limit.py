@@ -2,7 +2,8 @@
 
 In one run, for the checkpoint given (--checkpoint or QWEN_CHECKPOINT):
   the limit   this machine's matrix-multiply throughput (FLOP/s) per dtype, at the checkpoint's own
-              shapes (x @ W for the MLP's up projection, d -> I, at 512, 80, 16 and 1 rows), and its
+              shapes (x @ W for the MLP's up projection, d -> I, at 2048, 1024, 512, 80, 16 and 1
+              rows: the GRPO pass's, the prefill's and the decode batches' row counts), and its
               memory bandwidth (GB/s of a large tensor copy, read + write)
   the phases  bench_dtype.py's measurements (each the second of two identical calls): a prefill,
               sampled decode steps at 1, 16 and 80 rows, a GRPO pass (forward + backward of
@@ -12,7 +13,7 @@ In one run, for the checkpoint given (--checkpoint or QWEN_CHECKPOINT):
 FLOPs counted from the model's shape (a multiply-add is 2 FLOPs):
   P_lin = L (d (d + 2 kv hd) + d d + 3 d I)          the decoder's linear weights (q, k, v, o, MLP)
   forward of one token at context c:  2 P_lin + 2 V d (LM head) + 4 L d c   (scores and values)
-  prefill B x T:  B (T (2 P_lin + 2 V d) + 2 L d T (T + 1))
+  prefill B x T:  B (T 2 P_lin + 2 V d + 2 L d T (T + 1))   (logits at each prompt's last token only)
   decode step at context c, b rows:  b (2 P_lin + 2 V d + 4 L d c)
   GRPO pass B x T with n policy tokens: 3 (B (T 2 P_lin + 2 L d T (T + 1)) + n 2 V d)   (backward = 2 forwards;
               the LM head runs only at the policy's tokens)
@@ -40,7 +41,7 @@ from bench_dtype import decode, grpo_pass, prefill, warm  # noqa: E402
 import fsdp  # noqa: E402
 from model import load  # noqa: E402
 
-ROWS = (512, 80, 16, 1)
+ROWS = (2048, 1024, 512, 80, 16, 1)
 
 
 class OverLimit(Exception):
@@ -62,7 +63,7 @@ def limited(seconds, measure):
         signal.signal(signal.SIGALRM, old)
 
 
-def matmul_rate(rows, d, inner, dtype, seconds=1.0):
+def matmul_rate(rows, d, inner, dtype, seconds=2.0):
     """FLOP/s of x (rows, d) @ W (d, inner), repeated for about `seconds` after one warm call."""
     x, w = torch.randn(rows, d, dtype=dtype), torch.randn(d, inner, dtype=dtype)
     x @ w
@@ -133,7 +134,7 @@ def main():
                   f"{flops / seconds / peak:.2f} | {of_bw} |", flush=True)
 
         tps = limited(args.limit, lambda: warm(lambda: prefill(model, pb, pt)))  # prompt tokens / s
-        flops = pb * (pt * (2 * p_lin + 2 * vd) + 2 * ld * pt * (pt + 1))
+        flops = pb * (pt * 2 * p_lin + 2 * vd + 2 * ld * pt * (pt + 1))
         row(f"prefill {pb} x {pt}", flops, None if tps is None else pb * pt / tps)
         for b in (1, 16, 80):
             tps = limited(args.limit, lambda: warm(lambda: decode(model, tok, b, args.steps)))  # new tokens / s
