@@ -36,9 +36,8 @@ def searcher(trajs):
 def student_gradient(model, tokenizer, pairs, context, clip):
     """The round's own loss (pair_items, then pair_loss on a fresh adapter) and its gradient's largest entry."""
     model = copy.deepcopy(model)
-    items = [(ofsd.pair_sequences(tokenizer, p.stu, context(p)), h)
-             for p, (_, h) in zip(pairs, ofsd.pair_items(model, tokenizer, pairs, 2, "full", "policy"))]
-    items = list(zip([d for d, _ in items], ofsd.teacher_states(model, [d for d, _ in items], 2)))
+    data = [ofsd.pair_sequences(tokenizer, p.stu, context(p)) for p in pairs]
+    items = list(zip(data, ofsd.teacher_states(model, data, 2)))
     params = lora.attach(model, 4, 8)
     loss = ofsd.pair_loss(model, items, 0.05, clip, kl_chunk=7)
     loss.backward()
