@@ -1,15 +1,16 @@
 """Batched generation with a preallocated KV cache: prefill, sampling, and turns that stop on
 ids or strings, each sampled token's log-probability recorded (what GRPO's pi_old is).
 
-    KVCache                        keys/values of every layer, (L, B, H_kv, max_len, D), and per row
-                                   which slots hold a real token; model.hidden appends to it
+    KVCache                        keys/values of every layer, (L, B, H_kv, max_len + 1, D), and per
+                                   row how many tokens it holds; model.hidden appends at each row's end
 
     extend(model, cache, chunks)   append token lists (one per row, ragged) to the cache: the
-                                   prefill, and the forced tokens of retrieved text
+                                   prefill, the forced tokens of retrieved text, a decoding step
     sample(logits, T, top_p, gen)  one token per row from softmax(logits / T) restricted to the
                                    smallest set of mass >= top_p (renormalised), by inverse CDF
                                    (over the vocabulary, or over the nucleus in descending order);
-                                   the recorded log-prob is log softmax(logits / T) of the token
+                                   the recorded log-prob is log softmax(logits / T) of the token;
+                                   `draw` is the same given each row's uniform
     sample_turn(...)               sample until a stop id, a stop string, or max_new_tokens; the
                                    forward runs over the rows still writing (moved to the cache's front)
     generate(...)                  prompts -> new tokens, log-probs, stop reasons
@@ -28,71 +29,85 @@ from model import load, pad_right
 
 
 class KVCache:
-    """Preallocated keys/values for every layer: (L, B, H_kv, max_len, D), plus per-row slot validity."""
+    """Preallocated keys/values for every layer, (L, B, H_kv, max_len + 1, D), and per row the number
+    of tokens it holds (`end`, (B,)): row b's tokens are in slots 0 .. end[b]-1, in order, and slot i
+    holds the token at rotary position i. The last slot is scratch, where padding is written."""
 
     def __init__(self, cfg, batch, max_len, device, dtype):
-        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len + 1, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)  # (B, S)
-        self.next_pos = torch.zeros(batch, dtype=torch.long, device=device)  # (B,)
-        self.length = 0  # slots used, the same for every row
+        self.end = torch.zeros(batch, dtype=torch.long, device=device)  # (B,)
 
     @property
     def max_len(self):
-        return self.valid.shape[1]
+        return self.k.shape[3] - 1
+
+    def attend(self, layer, k, v):
+        """Write a chunk's keys and values (B, Hkv, T, D) to the slots Qwen2.hidden chose for each row
+        (`writing`); returns every slot in use, (B, Hkv, S, D) each."""
+        rows, slots, S = self.writing
+        self.k[layer, rows, :, slots] = k.transpose(1, 2)  # (B, T, Hkv, D) into (B, T) slots
+        self.v[layer, rows, :, slots] = v.transpose(1, 2)
+        return self.k[layer, :, :, :S], self.v[layer, :, :, :S]
+
+    @property
+    def length(self):
+        """Slots in use: the longest row's tokens."""
+        return int(self.end.max()) if len(self.end) else 0
 
     def keep(self, rows):
-        """Keep only the listed rows (finished trajectories leave the batch), each with its valid
-        slots packed to the front in order, so attention reads as many slots as the longest row
-        holds instead of every slot any row used (a turn spends the longest row's slots on all).
-        A key may change slot: its rotary position was applied when it was written, `next_pos`
-        keeps counting, and masks come from `valid`."""
-        idx = torch.tensor(rows, device=self.valid.device)
-        valid = self.valid[idx, :self.length]  # (b, S)
-        n = valid.sum(1)  # (b,) tokens each row holds
-        packed = int(n.max()) if len(rows) else 0
-        order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)[:, :packed]  # (b, packed) valid first
+        """Keep only the listed rows, in that order, as rows 0 .. len(rows)-1 (finished ones leave)."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.end.device)
+        s = int(self.end[idx].max()) if len(rows) else 0
+        self.k[:, :len(rows), :, :s] = self.k[:, idx, :, :s]  # (L, b, H, s, D); the index copies first
+        self.v[:, :len(rows), :, :s] = self.v[:, idx, :, :s]
+        self.k, self.v, self.end = self.k[:, :len(rows)], self.v[:, :len(rows)], self.end[idx]
+
+    def take(self, rows, room):
+        """A new cache holding copies of the listed rows, with `room` free slots after its longest
+        row: a forward over a few rows of a big cache (`put` writes them back)."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.end.device)
+        s = int(self.end[idx].max())
         L, _, H, _, D = self.k.shape
-        at = order[None, :, None, :, None].expand(L, len(rows), H, packed, D)  # (L, b, H, packed, D)
-        k = self.k[:, idx, :, :self.length].gather(3, at)  # copies, so the writes below cannot clobber
-        v = self.v[:, idx, :, :self.length].gather(3, at)
-        self.k, self.v = self.k[:, :len(rows)], self.v[:, :len(rows)]  # views of the same buffers
-        self.k[:, :, :, :packed] = k
-        self.v[:, :, :, :packed] = v
-        self.valid = torch.arange(self.max_len, device=idx.device)[None, :] < n[:, None]  # (b, max_len)
-        self.next_pos = self.next_pos[idx]
-        self.length = packed
+        k = self.k.new_zeros(L, len(rows), H, s + room + 1, D)  # (L, b, H, s + room + 1, D)
+        v = self.v.new_zeros(L, len(rows), H, s + room + 1, D)
+        k[:, :, :, :s], v[:, :, :, :s] = self.k[:, idx, :, :s], self.v[:, idx, :, :s]
+        return KVCache._of(k, v, self.end[idx].clone())
+
+    def put(self, rows, sub):
+        """Write the rows of `sub` (a cache from `take(rows, ...)`) back into the listed rows."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.end.device)
+        s = sub.length
+        if s > self.max_len:
+            raise ValueError(f"KV cache full: a row would hold {s} tokens > max_len {self.max_len}")
+        self.k[:, idx, :, :s], self.v[:, idx, :, :s] = sub.k[:, :, :, :s], sub.v[:, :, :, :s]
+        self.end[idx] = sub.end
 
     def front(self, n):
         """A cache over rows 0..n-1 of this one: views of the same buffers, so what the model appends
-        to it lands here (then set this cache's `length` to the front's)."""
-        return KVCache._of(self.k[:, :n], self.v[:, :n], self.valid[:n], self.next_pos[:n], self.length)
+        to it lands here."""
+        return KVCache._of(self.k[:, :n], self.v[:, :n], self.end[:n])
 
     @staticmethod
-    def _of(k, v, valid, next_pos, length):
+    def _of(k, v, end):
         """A cache over the given tensors (views of another cache's, or new ones)."""
         new = object.__new__(KVCache)
-        new.k, new.v, new.valid, new.next_pos, new.length = k, v, valid, next_pos, length
+        new.k, new.v, new.end = k, v, end
         return new
 
     def reorder(self, order):
         """Rows 0..len(order)-1 become the rows `order` (a permutation of those rows), in place."""
-        idx = torch.tensor(order, device=self.valid.device)
+        idx = torch.tensor(order, device=self.end.device)
         n, s = len(order), self.length
         self.k[:, :n, :, :s] = self.k[:, idx, :, :s]  # (L, n, H, s, D); the index makes a copy first
         self.v[:, :n, :, :s] = self.v[:, idx, :, :s]
-        self.valid[:n] = self.valid[idx]
-        self.next_pos[:n] = self.next_pos[idx]
+        self.end[:n] = self.end[idx]
 
     def drop_last(self, rows):
         """Forget the last token of each listed row (an end-of-turn token the trajectory does not
-        keep): its slot becomes padding, which attention never sees, and the row's next rotary
-        position steps back, so what follows is placed exactly as if the token had never been."""
-        for i in rows:
-            slot = int(self.valid[i, :self.length].nonzero()[-1])
-            self.valid[i, slot] = False
-            self.next_pos[i] -= 1
+        keep): what follows takes its slot and its rotary position, as if it had never been."""
+        self.end[rows] -= 1
 
     def repeat_rows(self, g):
         """A cache of B*g rows where rows b*g .. b*g+g-1 are copies of row b (the GRPO group)."""
@@ -102,8 +117,7 @@ class KVCache:
         v = self.v.new_zeros(L, B * g, H, S, D)
         k[:, :, :, :n] = self.k[:, :, :, :n].repeat_interleave(g, dim=1)  # (L, B*g, H, n, D)
         v[:, :, :, :n] = self.v[:, :, :, :n].repeat_interleave(g, dim=1)
-        return KVCache._of(k, v, self.valid.repeat_interleave(g, dim=0),  # (B*g, S)
-                           self.next_pos.repeat_interleave(g, dim=0), n)  # (B*g,)
+        return KVCache._of(k, v, self.end.repeat_interleave(g, dim=0))  # (B*g,)
 
 
 def new_cache(model, batch, max_len):
@@ -113,23 +127,25 @@ def new_cache(model, batch, max_len):
 
 @torch.no_grad()
 def extend(model, cache, chunks, logits=None):
-    """Append token lists (one per row, any length, possibly empty) to the cache.
+    """Append token lists (one per row, any length, possibly empty) to the cache, each at its row's end.
 
     Returns next-token logits (B, V) for every row: from its last new token, or the given
-    `logits` row when its chunk is empty. This is the prefill and the forced-token path.
+    `logits` row when its chunk is empty. This is the prefill, the forced-token path and (chunks of
+    one token) a decoding step. The last layer's MLP and the LM head run at each row's last token only.
     """
-    B = len(chunks)
-    dev = cache.valid.device
+    dev = cache.end.device
     if max(len(c) for c in chunks) == 0:
         return logits
     ids, valid = pad_right(chunks, 0, dev)  # (B, T) each
-    h = model.hidden(ids, cache, valid)  # (B, T, d)
-    last = (valid.sum(1) - 1).clamp(min=0)  # (B,)
-    new = F.linear(h[torch.arange(B, device=dev), last], model.lm_head_weight).float()  # (B, V)
+    n = valid.sum(1)  # (B,)
+    last = F.one_hot((n - 1).clamp(min=0), ids.shape[1]).bool() & (n > 0)[:, None]  # (B, T)
+    h = model.hidden(ids, cache, valid, select=last)  # (b, d): the rows with a chunk, in order
+    new = F.linear(h, model.lm_head_weight).float()  # (b, V)
     if logits is None:
         return new
-    has = valid.any(1)[:, None]
-    return torch.where(has, new, logits)
+    out = logits.clone()
+    out[n > 0] = new
+    return out
 
 
 NUCLEUS_CANDIDATES = 256  # top-p looks for its nucleus among this many most likely tokens first
@@ -139,16 +155,22 @@ def sample(logits, temperature, top_p, generator, rows=None):
     """Pick one token per row; returns (tokens (B,), log p(token) under softmax(logits / T)).
     `rows` (b,): draw for those rows only (returns (b,) each); the generator still advances by one
     uniform per row of `logits`, so what a row draws does not depend on which others are drawn."""
-    if temperature > 0:
-        # inverse-CDF sampling, one uniform per row (torch.multinomial is ~15x slower at V = 152k);
-        # CPU cumsum accumulates in float64, so each float32 CDF entry is off by < 1e-7
+    u = None
+    if temperature > 0:  # one uniform per row, drawn for every row
         u = torch.rand(logits.shape[0], 1, generator=generator, device=logits.device, dtype=logits.dtype)  # (B, 1)
     if rows is not None:
-        logits, u = logits[rows], (u[rows] if temperature > 0 else None)  # (b, V), (b, 1)
+        logits, u = logits[rows], (u[rows] if u is not None else None)  # (b, V), (b, 1)
+    return draw(logits, temperature, top_p, u)
+
+
+def draw(logits, temperature, top_p, u):
+    """`sample` given each row's uniform u (B, 1) (None when temperature is 0: the argmax)."""
     if temperature == 0:
         tok = logits.argmax(-1)
         logp = torch.log_softmax(logits, -1)
     else:
+        # inverse-CDF sampling, one uniform per row (torch.multinomial is ~15x slower at V = 152k);
+        # CPU cumsum accumulates in float64, so each float32 CDF entry is off by < 1e-7
         logp = torch.log_softmax(logits / temperature, -1)  # (B, V)
         probs = logp.exp()
         if top_p < 1.0:
@@ -200,7 +222,7 @@ def sample_turn(model, tokenizer, cache, logits, active, max_new_tokens, *, temp
     toks, lps, reasons = [[] for _ in range(B)], [[] for _ in range(B)], [None] * B
     stop_ids = set(stop_ids)
     window = max((len(s) for s in stop_strings), default=0) + 1
-    dev = cache.valid.device
+    dev = cache.end.device
     held = list(range(B))  # the batch row in each cache row; the forward computes the first n
     n, work, logits = B, cache, logits.clone()  # (B, V)
     for _ in range(max_new_tokens):
@@ -210,7 +232,6 @@ def sample_turn(model, tokenizer, cache, logits, active, max_new_tokens, *, temp
         if len(going) <= n // 2:  # compact: the going rows to the front, the forward over them only
             pos = {r: j for j, r in enumerate(held[:n])}
             held[:n] = going + [i for i in held[:n] if not active[i]]
-            cache.length = work.length
             cache.reorder([pos[r] for r in held[:n]])
             n, work = len(going), cache.front(len(going))
         fed = torch.tensor([active[i] for i in held[:n]], device=dev)  # (n,) the going rows
@@ -229,7 +250,6 @@ def sample_turn(model, tokenizer, cache, logits, active, max_new_tokens, *, temp
         ids[fed, 0] = tok
         h = model.hidden(ids, work, fed[:, None])  # (n, 1, d)
         logits[going] = F.linear(h[fed, 0], model.lm_head_weight).float()  # (g, V)
-    cache.length = work.length
     if n < B:  # every row back to its own place
         cache.reorder(sorted(range(B), key=held.__getitem__))  # row i <- the cache row that holds i
     return toks, lps, reasons, logits

@@ -13,6 +13,11 @@ so a group with equal rewards gives no policy gradient. The loss per policy-samp
 with log-probabilities taken from softmax(logits / temperature), the rollout's temperature.
 (The +-20 clamp only keeps exp() finite; the +-10 clamp is veRL's.)
 
+Each micro-batch keeps a group's trajectories together, and their shared prompt passes the policy
+and the KL model once (pad_shared, model.SharedPrompt): the G rows attend to its keys and values and
+its gradient is their sum, the same loss and gradients as G separate copies (tested in float64).
+The old log-probabilities are the rollout's recorded ones, so no forward computes them.
+
 A GRPO round is `steps` steps, each on a fresh rollout batch of the current policy, passed over
 once in `ppo_updates` shuffled mini-batches of whole groups, one optimizer update each: the first
 update sees rho = 1, the later ones a moved policy, where the clip acts (as veRL's PPO epochs).
@@ -25,6 +30,7 @@ dynamic sampling and length penalties.
 
 import sys
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -32,7 +38,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import fsdp
-from model import pad_right
+from model import SharedPrompt, pad_right
 from rollout import em_rewards, rollout
 
 
@@ -54,25 +60,42 @@ def pad_batch(trajs, pad_id, device):
     return ids, valid, mask, old
 
 
+def pad_shared(trajs, pad_id, device):
+    """`pad_batch` with each distinct prompt once: returns prompts = (ids, valid (P_rows, P), group
+    (B,): the prompt row each trajectory continues) and each trajectory from its prompt's last token
+    on, padded as `pad_batch` pads (the last prompt token predicts the first sampled one; a
+    trajectory's prompt holds no loss positions)."""
+    first = {}  # prompt tokens -> its row
+    group = [first.setdefault(tuple(t.tokens[:t.prompt_len]), len(first)) for t in trajs]
+    p_ids, p_valid = pad_right([list(p[:-1]) for p in first], pad_id, device)  # (P_rows, P)
+    rest = [replace(t, **{k: getattr(t, k)[t.prompt_len - 1:] for k in ("tokens", "loss_mask", "logprobs")})
+            for t in trajs]
+    return (p_ids, p_valid, torch.tensor(group, device=device)), *pad_batch(rest, pad_id, device)
+
+
 HEAD_CHUNK = 512  # loss positions per LM-head chunk: a (512, V) float32 block at a time (memory, not results)
 
 
 def _head(h, weight, targets, temperature):
     """One chunk of the LM head: (C, d) hidden states -> log p(target) and the entropy, each (C,)."""
-    log_p = torch.log_softmax(F.linear(h, weight).float() / temperature, -1)  # (C, V)
+    logits = F.linear(h, weight)  # (C, V), in float32 at least (float64 stays float64)
+    log_p = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, -1)
     return log_p.gather(-1, targets[:, None]).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
 
 
-def token_logprobs(model, ids, valid, mask, temperature, entropy=False, chunk=HEAD_CHUNK):
+def token_logprobs(model, ids, valid, mask, temperature, entropy=False, chunk=HEAD_CHUNK, prompts=None):
     """log softmax(logits / temperature) of each token where mask is 1: (n_masked,); with
     entropy=True also the entropy -sum_v p log p of each of those distributions: (n_masked,).
+    prompts: `pad_shared`'s (ids, valid, group): each row continues its group's prompt, computed
+    once for all the rows that share it (model.SharedPrompt).
 
     Logits are computed only at the masked positions, `chunk` rows at a time; with gradients
     each chunk is recomputed in backward (activation checkpointing), so autograd keeps no (n, V)
     tensor: at a real vocabulary (151,936) and 3,000 loss tokens that would be 1.8 GB per copy.
     """
     pred = mask[:, 1:]  # token t is predicted from position t - 1
-    h_sel = model.hidden(ids, valid=valid, select=F.pad(pred, (0, 1)))  # (n, d)
+    shared = None if prompts is None else SharedPrompt(*prompts)
+    h_sel = model.hidden(ids, valid=valid, select=F.pad(pred, (0, 1)), prefix=shared)  # (n, d)
     targets = ids[:, 1:][pred]  # (n,)
     weight, parts = model.lm_head_weight, []
     for c in range(0, len(targets), chunk):
@@ -108,16 +131,21 @@ def grpo_step(model, kl_model, optimizer, trajs, advantages, *, micro_batch, cli
         dist.all_reduce(n_tokens)
     optimizer.zero_grad(set_to_none=True)
     sums = torch.zeros(5, device=device)  # loss, pg, kl, clipped, entropy (token sums)
-    by_length = sorted(range(len(trajs)), key=lambda i: len(trajs[i].tokens))  # micro-batches pad little
+    # micro-batches pad little and keep a group together, so its prompt is computed once (pad_shared)
+    prompt = [tuple(t.tokens[:t.prompt_len]) for t in trajs]
+    longest = {}
+    for p, t in zip(prompt, trajs):
+        longest[p] = max(longest.get(p, 0), len(t.tokens))
+    order = sorted(range(len(trajs)), key=lambda i: (longest[prompt[i]], prompt[i], len(trajs[i].tokens)))
     for s in range(0, len(trajs), micro_batch):
-        rows = by_length[s:s + micro_batch]
-        ids, valid, mask, old = pad_batch([trajs[i] for i in rows], pad_id, device)
+        rows = order[s:s + micro_batch]
+        prompts, ids, valid, mask, old = pad_shared([trajs[i] for i in rows], pad_id, device)
         adv = torch.tensor([advantages[i] for i in rows], dtype=torch.float32, device=device)
         adv_tok = adv[:, None].expand_as(mask)[:, 1:][mask[:, 1:]]  # (n,) each token its row's advantage
         old_tok = old[:, 1:][mask[:, 1:]]  # (n,)
         with torch.no_grad():
-            kl_tok = token_logprobs(kl_model, ids, valid, mask, temperature)
-        logp, entropy = token_logprobs(model, ids, valid, mask, temperature, entropy=True)
+            kl_tok = token_logprobs(kl_model, ids, valid, mask, temperature, prompts=prompts)
+        logp, entropy = token_logprobs(model, ids, valid, mask, temperature, entropy=True, prompts=prompts)
         loss, pg, kl, clipped = grpo_token_loss(logp, old_tok, kl_tok, adv_tok, clip_ratio, kl_coef,
                                                 entropy, entropy_coef)
         (loss.sum() / n_tokens).backward()

@@ -4,19 +4,20 @@ The architecture is Qwen2ForCausalLM (every Qwen2.5 size, 0.5B to 72B, uses it):
     h = embed(ids)
     for each layer:  h = h + Attn(RMSNorm(h));  h = h + MLP(RMSNorm(h))
     logits = lm_head(RMSNorm(h))            (lm_head = embed^T when tie_word_embeddings)
-    RMSNorm(x) = w * x / sqrt(mean(x^2) + eps), computed in float32
+    RMSNorm(x) = w * x / sqrt(mean(x^2) + eps), computed in float32 (float64 for a float64 model)
     Attn: grouped-query attention, q/k/v with biases, o without; rotary embeddings
           (theta from the config) on q and k; scaled_dot_product_attention. With a mask (a
           cache, left padding) each key-value head's query heads are folded into one batch of
           rows: PyTorch's CPU GQA path repeats K and V per query head, 7x the reads at 0.5B.
     MLP:  down(silu(gate(x)) * up(x))   (SwiGLU)
 
-Padding and caching share one mechanism. A KV cache (generate.py's `KVCache`) is preallocated for (batch, max_len) and
-holds, per row, which cache slots hold a real token (`valid`) and the next rotary position
-(`next_pos`). Every forward appends a (B, T) chunk to the same slots of every row; a row whose
-chunk is shorter marks its trailing slots invalid. So ragged prompts are right-padded into the
-cache, forced tokens (retrieved text) are appended without recomputing anything, and attention
-masks are always "valid and not in the future".
+Padding and caching share one mechanism. A KV cache (generate.py's `KVCache`) is preallocated for
+(batch, max_len) and holds, per row, how many tokens it holds (`end`): row b's tokens sit in slots
+0 .. end[b]-1, each slot also its rotary position. A forward appends a right-padded (B, T) chunk
+to each row at that row's own end (padding goes to a scratch slot past max_len), so rows of
+different lengths share one cache with no gaps: ragged prompts, forced tokens (retrieved text)
+appended without recomputing anything, and rows in different turns decoding side by side.
+Attention masks are always "in this row's slots and not in the future".
 
 The tokenizer and chat template are tokenizer.py's; the cache and decoding are generate.py's.
 
@@ -122,7 +123,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        h = x.float()
+        h = x.to(torch.promote_types(x.dtype, torch.float32))  # float32 at least (float64 stays float64)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
@@ -142,19 +143,15 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=True)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, mask, cache, layer):
+    def forward(self, x, cos, sin, mask, kv, layer):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        if cache is not None:
-            s0 = cache.length
-            cache.k[layer, :, :, s0:s0 + T] = k
-            cache.v[layer, :, :, s0:s0 + T] = v
-            k = cache.k[layer, :, :, :s0 + T]  # (B, Hkv, S, D)
-            v = cache.v[layer, :, :, :s0 + T]
+        if kv is not None:  # a KV cache or a shared prompt: the keys and values the chunk attends to
+            k, v = kv.attend(layer, k, v)  # (B, Hkv, S, D) each
         if mask is None:  # plain causal attention: training passes, a right-padded prefill
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_head != self.n_kv)
         else:  # each key-value head's G query heads folded into its rows (query head h reads key-value
@@ -184,16 +181,50 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, cache, layer, select=None, recompute=False):
+    def forward(self, x, cos, sin, mask, kv, layer, select=None, recompute=False):
         if recompute:  # activation checkpointing: keep x only, recompute the layer in backward
-            return checkpoint(self.layer, x, cos, sin, mask, cache, layer, select, use_reentrant=False)
-        return self.layer(x, cos, sin, mask, cache, layer, select)
+            return checkpoint(self.layer, x, cos, sin, mask, kv, layer, select, use_reentrant=False)
+        return self.layer(x, cos, sin, mask, kv, layer, select)
 
-    def layer(self, x, cos, sin, mask, cache, layer, select):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
+    def layer(self, x, cos, sin, mask, kv, layer, select):
+        if isinstance(x, tuple):  # streams through the same weights, in order (model.SharedPrompt)
+            return tuple(self.layer(*a, layer, s) for a, s in zip(zip(x, cos, sin, mask, kv), select or (None,) * len(x)))
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, layer)
         if select is not None:
             x = x[select]  # (n, d): the MLP only where the caller wants an output
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SharedPrompt:
+    """Prompts that several rows continue (a GRPO group's G trajectories share one), computed once.
+
+        shared = SharedPrompt(prompt_ids, prompt_valid, group)   # (P_rows, P) each; group (B,)
+        model.hidden(continuation_ids, valid=..., prefix=shared)  # row b continues group[b]
+
+    In each layer the prompts pass first and their keys and values are kept, with their autograd
+    graph; each continuation row then attends to its prompt's (gathered by `group`) before its own,
+    so the gradient reaching a prompt is the sum over the rows that read it, exactly as if each row
+    had computed the prompt itself."""
+
+    def __init__(self, ids, valid, group):
+        self.ids, self.valid, self.group, self.kv = ids, valid, group, {}
+
+    def attend(self, layer, k, v):
+        """Keys and values of a continuation chunk (B, Hkv, T, D): its prompt's, then its own."""
+        pk, pv = self.kv[layer]  # (P_rows, Hkv, P, D)
+        return torch.cat([pk[self.group], k], 2), torch.cat([pv[self.group], v], 2)  # (B, Hkv, P + T, D)
+
+
+class _Record:
+    """The prompts' pass of a SharedPrompt: each layer's keys and values kept (a recomputation
+    under activation checkpointing writes the same ones again)."""
+
+    def __init__(self, kv):
+        self.kv = kv
+
+    def attend(self, layer, k, v):
+        self.kv[layer] = (k, v)
+        return k, v
 
 
 class Qwen2(nn.Module):
@@ -214,58 +245,81 @@ class Qwen2(nn.Module):
         """The (V, d) output projection (the embedding matrix when tied)."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def hidden(self, input_ids, cache=None, valid=None, positions=None, select=None):
+    def hidden(self, input_ids, cache=None, valid=None, positions=None, select=None, prefix=None):
         """Final-normed hidden states (B, T, d).
 
         valid: (B, T) bool, False for padding (default all True). positions: (B, T) rotary
-        positions (default: count of valid tokens before, continuing the cache's rows).
-        With a cache, the chunk is appended to it and attends to everything valid before it.
+        positions (default: count of valid tokens before; with a cache, the row's slots).
+        With a cache, valid must be right padding; each row's chunk is appended at the row's own
+        end and attends to everything the row holds before it.
+        prefix: a `SharedPrompt`: row b continues prompt group[b], attending to its keys and values
+        before its own tokens, its positions following them; the prompts pass each layer in the
+        same call as the rows (one use of the layer's weights, as a sharded model needs).
         select: (B, T) bool; returns only those positions' states, (n, d) in row-major order,
         and the last layer's MLP runs only there (training needs outputs only where it has a
         loss: a sixth of the tokens in a search trajectory).
         """
+        x, cos, sin, mask = self._inputs(input_ids, valid, positions, cache, prefix)
+        kv, last = (cache if cache is not None else prefix), select
+        if prefix is not None:  # two streams through every layer: the prompts (recording), then the rows
+            p = self._inputs(prefix.ids, prefix.valid, None, None, None)
+            x, cos, sin, mask = ((a, b) for a, b in zip(p, (x, cos, sin, mask)))
+            kv, last = (_Record(prefix.kv), prefix), (torch.zeros_like(prefix.valid), select)
+        recompute = self.checkpoint_layers and torch.is_grad_enabled() and cache is None
+        n = self.config.num_hidden_layers
+        for i, block in enumerate(self.model.layers):
+            x = block(x, cos, sin, mask, kv, i, last if i == n - 1 else None, recompute)
+        if cache is not None:
+            cache.end += valid.sum(1) if valid is not None else input_ids.shape[1]
+        return self.model.norm(x[1] if prefix is not None else x)
+
+    def _inputs(self, input_ids, valid, positions, cache, prefix):
+        """A chunk's embeddings (B, T, d), rotary cos and sin (B, 1, T, D), and attention mask
+        (None for plain causal attention, else additive (B, 1, G*T, S)); see `hidden`."""
         B, T = input_ids.shape
         dev = input_ids.device
         if valid is None:
             valid = torch.ones(B, T, dtype=torch.bool, device=dev)
-        s0 = 0 if cache is None else cache.length
+        q_slot = torch.arange(T, device=dev).expand(B, T)  # (B, T) each query's key slot
+        k_slot = torch.arange(T, device=dev)  # (S,) with S = T
+        key_valid = valid  # (B, S)
         if positions is None:
-            positions = valid.long().cumsum(1) - 1 + (0 if cache is None else cache.next_pos[:, None])
-            positions = positions.clamp(min=0)  # (B, T)
-        if cache is None:
-            key_valid = valid  # (B, S) with S = T
-        else:
-            if s0 + T > cache.max_len:
-                raise ValueError(f"KV cache full: {s0} + {T} tokens > max_len {cache.max_len}")
-            cache.valid[:, s0:s0 + T] = valid
-            key_valid = cache.valid[:, :s0 + T]  # (B, S)
-        if cache is None and bool((valid[:, 1:] <= valid[:, :-1]).all()):
-            mask = None  # right padding only: plain causal attention is exact for every real token
-        else:
-            q_slot = torch.arange(s0, s0 + T, device=dev)
-            k_slot = torch.arange(s0 + T, device=dev)
-            causal = k_slot[None, :] <= q_slot[:, None]  # (T, S)
-            # a padding query attends to itself only, so no softmax row is empty (output unused)
-            mask = (causal & key_valid[:, None, :]) | (k_slot[None, :] == q_slot[:, None])  # (B, T, S)
-            G = self.config.num_attention_heads // self.config.num_key_value_heads
-            mask = mask[:, None, None].expand(B, 1, G, T, s0 + T).reshape(B, 1, G * T, s0 + T)  # (B, 1, G*T, S):
-            # row g*T + t is query t of a key-value head's g-th query head (Attention folds them so)
-
+            positions = (valid.long().cumsum(1) - 1).clamp(min=0)  # (B, T)
+        if cache is not None:  # the chunk continues each row at its own end; its padding goes to the scratch slot
+            if bool((valid[:, 1:] > valid[:, :-1]).any()):
+                raise ValueError("a chunk appended to a KV cache must be right-padded")
+            new_end = cache.end + valid.sum(1)  # (B,)
+            S = int(new_end.max())
+            if S > cache.max_len:
+                raise ValueError(f"KV cache full: a row would hold {S} tokens > max_len {cache.max_len}")
+            positions = cache.end[:, None] + torch.arange(T, device=dev)  # (B, T) = the slots
+            q_slot = torch.where(valid, positions, cache.max_len)  # (B, T)
+            cache.writing = (torch.arange(B, device=dev)[:, None], q_slot, S)
+            k_slot = torch.arange(S, device=dev)
+            key_valid = k_slot[None, :] < new_end[:, None]  # (B, S)
+        elif prefix is not None:  # keys: the row's prompt (P slots), then its own tokens
+            P = prefix.valid.shape[1]
+            positions = positions + prefix.valid.sum(1)[prefix.group][:, None]  # (B, T)
+            q_slot = q_slot + P
+            k_slot = torch.arange(P + T, device=dev)
+            key_valid = torch.cat([prefix.valid[prefix.group], valid], 1)  # (B, P + T)
         cfg = self.config
         x = self.model.embed_tokens(input_ids)  # (B, T, d)
-        if mask is not None:  # additive, in the compute dtype, once: SDPA converts a boolean mask on every call
-            mask = torch.zeros((), dtype=x.dtype, device=dev).masked_fill(~mask, float("-inf"))  # (B, 1, G*T, S)
+        mask = None  # right padding only, no cache or prompt: plain causal attention is exact for every real token
+        if cache is not None or prefix is not None or not bool((valid[:, 1:] <= valid[:, :-1]).all()):
+            S = len(k_slot)
+            causal = k_slot[None, None, :] <= q_slot[:, :, None]  # (B, T, S)
+            # a padding query attends to itself or (in a cache) to its row's tokens: its output is unused
+            allowed = (causal & key_valid[:, None, :]) | (k_slot[None, None, :] == q_slot[:, :, None])  # (B, T, S)
+            G = cfg.num_attention_heads // cfg.num_key_value_heads
+            allowed = allowed[:, None, None].expand(B, 1, G, T, S).reshape(B, 1, G * T, S)  # (B, 1, G*T, S):
+            # row g*T + t is query t of a key-value head's g-th query head (Attention folds them so);
+            # additive, in the compute dtype, once: SDPA converts a boolean mask on every call
+            mask = torch.zeros((), dtype=x.dtype, device=dev).masked_fill(~allowed, float("-inf"))
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=dev).float() / cfg.head_dim))
         freqs = positions[:, :, None].float() * inv_freq  # (B, T, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        recompute = self.checkpoint_layers and torch.is_grad_enabled() and cache is None
-        for i, block in enumerate(self.model.layers):
-            x = block(x, cos, sin, mask, cache, i, select if i == cfg.num_hidden_layers - 1 else None, recompute)
-        if cache is not None:
-            cache.length += T
-            cache.next_pos += valid.sum(1)
-        return self.model.norm(x)
+        return x, emb.cos().to(x.dtype), emb.sin().to(x.dtype), mask
 
     def forward(self, input_ids, cache=None, valid=None, positions=None):
         """Logits (B, T, V)."""

@@ -23,15 +23,19 @@ both use this one definition.
 
 All B questions x G samples run as one batch through one preallocated KV cache: each prompt is
 prefilled once and copied to its G rows; observations are appended to the cache (no prefix is
-recomputed); the retrieval of every searching row of a turn is one batched call. After each turn
-finished trajectories leave the batch and each row's tokens are packed to the front of the cache
-(`KVCache.keep`), so later turns attend over what the rows hold, not over every slot spent.
+recomputed). There is no barrier between turns: every step, each row still going samples one token;
+a row whose turn ends takes its action at once (the searches of the rows that end a turn in the
+same step are one batched call) and reads its observation in a forward of its own rows, then writes
+its next turn while the others still write theirs. The k-th token trajectory i samples uses the
+uniform u[i, k] of one table drawn from the generator at the start, so what a row draws does not
+depend on the rows beside it or on when they stop. Finished rows leave the cache once they are
+half of its rows.
 
 Reward: R = EM(answer, gold) in {0, 1}, where the answer is the last <answer>...</answer> the
 model wrote and both sides are normalised (lowercase, punctuation and the articles a/an/the
 dropped, whitespace collapsed); any gold answer may match. No format reward.
 
-Left out: asynchronous / continuous batching (a finished row is not refilled with a new question), vLLM.
+Left out: continuous batching (a finished row is not refilled with a new question), vLLM.
 
     python rollout.py CHECKPOINT_DIR INDEX_DIR "Who founded the company that makes the iPhone?"
 """
@@ -161,74 +165,96 @@ def rollout(model, tokenizer, retriever, questions, group_size, *, max_turns, ma
     `contexts`: text appended to each question's user message (OFSD's teacher view puts tau_ref there).
     `rollout_rows`: decode at most this many trajectories at once (the KV cache's size), 0 = all.
     `search_workers`: processes that share each turn's batch of searches (retriever.Index.search)."""
+    G, contexts = group_size, contexts or [""] * len(questions)
+    n = max(1, rollout_rows // G) if rollout_rows else len(questions)  # questions per decoding batch
     with fsdp.gathered(model):  # a sharded model: weights all-gathered once for the whole batch
-        G = group_size
-        n = max(1, rollout_rows // G) if rollout_rows else len(questions)  # questions per decoding batch
-        if len(questions) > n:
-            contexts = contexts or [""] * len(questions)
-            return [t for s in range(0, len(questions), n) for t in rollout(
-                model, tokenizer, retriever, questions[s:s + n], G, max_turns=max_turns,
-                max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens, top_k=top_k,
-                temperature=temperature, top_p=top_p, generator=generator, contexts=contexts[s:s + n],
-                search_workers=search_workers)]
-        contexts = contexts or [""] * len(questions)
-        prompts = [tokenizer.encode(tokenizer.chat_prompt(make_prompt(q) + c)) for q, c in zip(questions, contexts)]
-        trajs = [Trajectory(q, len(p)) for q, p in zip(questions, prompts) for _ in range(G)]
-        for t, p in zip(trajs, (p for p in prompts for _ in range(G))):
-            t.add(p, sampled=False)
-        invalid_ids = tokenizer.encode(INVALID)
-        max_len = max(map(len, prompts)) + max_response_tokens(
-            tokenizer, max_turns=max_turns, max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens)
+        # the k-th token trajectory i samples uses u[i, k]: what a row draws does not depend on which
+        # rows share its batch or when they stop (so a rollout_rows split gives the same trajectories)
+        u = None if temperature == 0 else torch.rand(  # (N, the most tokens a trajectory samples)
+            len(questions) * G, (max_turns + 1) * max_turn_tokens, generator=generator,
+            device=model.model.embed_tokens.weight.device)
+        return [t for s in range(0, len(questions), n) for t in _rollout(
+            model, tokenizer, retriever, questions[s:s + n], contexts[s:s + n], G, None if u is None else
+            u[s * G:(s + n) * G], max_turns=max_turns, max_turn_tokens=max_turn_tokens,
+            max_obs_tokens=max_obs_tokens, top_k=top_k, temperature=temperature, top_p=top_p,
+            search_workers=search_workers)]
 
-        cache = generate.new_cache(model, len(prompts), max_len)
-        logits = generate.extend(model, cache, prompts)  # (B, V) prefill once per question
-        cache = cache.repeat_rows(G)  # (B*G rows)
-        logits = logits.repeat_interleave(G, dim=0)  # (B*G, V)
-        live = list(range(len(trajs)))  # the trajectory in each cache row; finished ones leave
-        for turn in range(max_turns + 1):
-            final = turn == max_turns
-            toks, lps, reasons, logits = generate.sample_turn(
-                model, tokenizer, cache, logits, [True] * len(live), max_turn_tokens, temperature=temperature,
-                top_p=top_p, generator=generator, stop_ids=tokenizer.eos_ids, stop_strings=STOP_STRINGS)
-            ended = [r for r, why in enumerate(reasons) if why == "stop_id"]  # the turn ended on <|im_end|> & co.
-            for r in ended:  # Search-R1 decodes turns without special tokens: the token is not kept anywhere
-                toks[r].pop()
-                lps[r].pop()
-            cache.drop_last(ended)  # (the next chunk's logits replace this row's, computed after the token)
-            searching, chunks, going = [], [[] for _ in live], []  # per cache row
-            for r, i in enumerate(live):
-                t = trajs[i]
-                text = tokenizer.decode(toks[r])
-                t.add(toks[r], sampled=True, logprobs=lps[r])
-                t.model_text += text
-                t.n_turns += 1
-                t.answer = extract_answer(t.model_text)
-                m = ACTION.search(text)
-                if m and m.group(1) == "answer":
-                    t.stop = "answer"
-                    continue
-                if final:
-                    t.stop = "final_turn_without_answer"
-                    continue
-                going.append(r)
-                if m:
-                    t.queries.append(m.group(2).strip())
-                    searching.append(r)
-                else:
-                    chunks[r] = invalid_ids
-            if searching:
-                hits = retriever.search([trajs[live[r]].queries[-1] for r in searching], top_k,  # one batched call
-                                        workers=search_workers)
-                for r, h in zip(searching, hits):
-                    chunks[r] = tokenizer.encode(observation([retriever.doc(d) for d, _ in h]))[:max_obs_tokens]
-            if not going:
-                break
-            cache.keep(going)  # finished rows leave; every row's tokens packed to the front
-            logits, chunks, live = logits[going], [chunks[r] for r in going], [live[r] for r in going]  # (b, V)
-            for i, c in zip(live, chunks):
-                trajs[i].add(c, sampled=False)
-            logits = generate.extend(model, cache, chunks, logits)
-        return trajs
+
+def _rollout(model, tokenizer, retriever, questions, contexts, G, u, *, max_turns, max_turn_tokens,
+             max_obs_tokens, top_k, temperature, top_p, search_workers):
+    """`rollout` of one decoding batch, u (B*G, (max_turns + 1) * max_turn_tokens) its uniforms."""
+    prompts = [tokenizer.encode(tokenizer.chat_prompt(make_prompt(q) + c)) for q, c in zip(questions, contexts)]
+    trajs = [Trajectory(q, len(p)) for q, p in zip(questions, prompts) for _ in range(G)]
+    for t, p in zip(trajs, (p for p in prompts for _ in range(G))):
+        t.add(p, sampled=False)
+    invalid_ids = tokenizer.encode(INVALID)
+    max_len = max(map(len, prompts)) + max_response_tokens(
+        tokenizer, max_turns=max_turns, max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens)
+    N, cap = len(trajs), max_turn_tokens
+    cache = generate.new_cache(model, len(prompts), max_len)
+    logits = generate.extend(model, cache, prompts)  # (B, V) prefill once per question
+    cache = cache.repeat_rows(G)  # (B*G rows)
+    logits = logits.repeat_interleave(G, dim=0)  # (B*G, V)
+    rows = list(range(N))  # the trajectory in each cache row; None once it has finished
+    drawn = [0] * N  # tokens each trajectory has sampled
+    turn_toks, turn_lps = [[] for _ in trajs], [[] for _ in trajs]  # what each wrote in its turn so far
+    window = max(map(len, STOP_STRINGS)) + 1
+    while any(i is not None for i in rows):
+        going = [r for r, i in enumerate(rows) if i is not None]
+        if len(going) <= len(rows) // 2:  # finished rows leave the cache once they are half of it
+            cache.keep(going)
+            logits, rows = logits[going], [rows[r] for r in going]  # (b, V)
+            going = list(range(len(rows)))
+        ids = [rows[r] for r in going]
+        ui = None if u is None else u[ids, [drawn[i] for i in ids]][:, None]  # (g, 1)
+        tok, lp = generate.draw(logits[going], temperature, top_p, ui)  # (g,) each
+        step = [[] for _ in rows]  # per cache row: the token it decodes now (none: turn over, or finished)
+        ended = {}  # cache row -> the sampled token its cache still needs before what the environment adds
+        for r, i, t, l in zip(going, ids, tok.tolist(), lp.tolist()):
+            drawn[i] += 1
+            if t in tokenizer.eos_ids:  # Search-R1 decodes turns without special tokens: not kept anywhere
+                ended[r] = []
+                continue
+            turn_toks[i].append(t)
+            turn_lps[i].append(l)
+            if any(s in tokenizer.decode(turn_toks[i][-window:]) for s in STOP_STRINGS) or len(turn_toks[i]) == cap:
+                ended[r] = [t]
+            else:
+                step[r] = [t]
+        searching, chunks = [], {}  # rows whose turn ended and that go on: what they read next
+        for r, last in ended.items():
+            i = rows[r]
+            t, text = trajs[i], tokenizer.decode(turn_toks[i])
+            t.add(turn_toks[i], sampled=True, logprobs=turn_lps[i])
+            t.model_text += text
+            t.n_turns += 1
+            t.answer = extract_answer(t.model_text)
+            turn_toks[i], turn_lps[i] = [], []
+            m = ACTION.search(text)
+            if m and m.group(1) == "answer":
+                t.stop, rows[r] = "answer", None
+            elif t.n_turns == max_turns + 1:
+                t.stop, rows[r] = "final_turn_without_answer", None
+            elif m:
+                t.queries.append(m.group(2).strip())
+                searching.append(r)
+            else:
+                chunks[r] = invalid_ids
+        if searching:
+            hits = retriever.search([trajs[rows[r]].queries[-1] for r in searching], top_k,  # one batched call
+                                    workers=search_workers)
+            for r, h in zip(searching, hits):
+                chunks[r] = tokenizer.encode(observation([retriever.doc(d) for d, _ in h]))[:max_obs_tokens]
+        logits = generate.extend(model, cache, step, logits)  # a decoding step of the rows still writing
+        if chunks:  # rows that ended a turn read what the environment returned, in a cache of their own
+            at = sorted(chunks)
+            feed = [ended[r] + chunks[r] for r in at]  # (the turn's last token when the cache lacks it)
+            sub = cache.take(at, max(map(len, feed)))
+            logits[at] = generate.extend(model, sub, feed)  # (b, V)
+            cache.put(at, sub)
+            for r in at:
+                trajs[rows[r]].add(chunks[r], sampled=False)
+    return trajs
 
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@ Each section has a time limit (--limit seconds, checked between calls): one that
 skipped and says so, so the bench finishes on any CPU. bfloat16 runs only where this CPU computes it
 natively (fsdp.cpu_has_native_bf16; without it a bfloat16 matmul goes through float32 conversions at
 a small fraction of float32's rate), unless --dtypes asks.
-Left out (a later change): the sampled rollout split into its linears, attention, LM head, sampling
-and retrieval.
+The sampled rollout split into its linears, attention, LM head, sampling and retrieval, each against
+the same limit, is bench_side_by_side.py's (it runs a whole rollout, minutes to an hour).
 
     python bench/bench_limit.py --checkpoint ~/.cache/qwen2.5-coder-0.5b-instruct --threads 2
 """

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+import generate
+
 from rollout import INVALID, extract_answer, make_prompt, observation, rollout
 from conftest import AGENT_QUESTION, random_model, tiny_config
 
@@ -82,12 +84,42 @@ def test_batch_equals_rows_alone(agent, tokenizer, search_index):
             assert t.queries == alone.queries and t.answer == alone.answer
 
 
-def test_rollout_rows_decodes_in_batches_with_the_same_result(agent, tokenizer, search_index):
-    """rollout_rows=4 with G=2 decodes two questions at a time and returns the same trajectories, in order."""
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rollout_rows_decodes_in_batches_with_the_same_result(agent, tokenizer, search_index, temperature):
+    """rollout_rows=4 with G=2 decodes two questions at a time and returns the same trajectories, in order:
+    sampled too, as what a trajectory draws does not depend on which rows share its batch."""
     qs = [AGENT_QUESTION, "Turing", "Paris 1815 river and the lake mountain"]
-    whole = run(agent, tokenizer, search_index, qs, G=2)
-    parts = run(agent, tokenizer, search_index, qs, G=2, rollout_rows=4)
+    whole, parts = (run(agent, tokenizer, search_index, qs, G=2, temperature=temperature, rollout_rows=rows,
+                        generator=torch.Generator().manual_seed(4)) for rows in (0, 4))
     assert [(t.question, t.tokens, t.loss_mask) for t in parts] == [(t.question, t.tokens, t.loss_mask) for t in whole]
+    if temperature:
+        assert len({tuple(t.tokens) for t in whole}) > 3  # the samples differ from each other
+
+
+def test_rows_go_on_to_their_next_turn_alone(agent, tokenizer, search_index, monkeypatch):
+    """A row whose turn ends reads its observation and writes on while others still write theirs (the
+    batch samples as many times as its longest row, not the sum of each turn's longest), and each
+    trajectory equals the one it samples alone with the same uniforms."""
+    qs = [AGENT_QUESTION, "Turing", "who founded Tokyo"]
+    g = torch.Generator().manual_seed(1)
+    draws = []
+    monkeypatch.setattr(generate, "draw", lambda *a, f=generate.draw: draws.append(1) or f(*a))
+    together = run(agent, tokenizer, search_index, qs, G=3, temperature=1.0, generator=g)
+    assert len(draws) <= max(sum(t.loss_mask) + t.n_turns for t in together)  # (+1 a turn: a dropped end token)
+    lengths = {len(t.tokens) - t.prompt_len for t in together}
+    assert len(lengths) > 3 and sum(t.n_turns > 1 for t in together) > 3  # rows really were out of step
+    u = torch.rand(len(qs) * 3, 5 * 40, generator=torch.Generator().manual_seed(1))  # what rollout drew
+    for i, t in enumerate(together):
+        (alone,) = rollout_rows_alone(agent, tokenizer, search_index, qs[i // 3], u[i])
+        assert alone.tokens == t.tokens and alone.loss_mask == t.loss_mask
+        assert max(abs(a - b) for a, b in zip(alone.logprobs, t.logprobs)) <= 1e-4
+
+
+def rollout_rows_alone(agent, tokenizer, search_index, question, u):
+    """One trajectory of `question`, decoded alone with the uniforms u."""
+    from rollout import _rollout
+    return _rollout(agent, tokenizer, search_index, [question], [""], 1, u[None], max_turns=4, max_turn_tokens=40,
+                    max_obs_tokens=400, top_k=3, temperature=1.0, top_p=1.0, search_workers=1)
 
 
 def test_turn_and_token_caps_hold(agent, tokenizer, search_index):

@@ -55,7 +55,7 @@ def test_identical_views_give_zero_loss_and_gradient(agent, tokenizer, group, cl
     loss, grad = student_gradient(agent, tokenizer, pairs, lambda p: "", clip)
     assert abs(loss) <= 1e-6 and grad <= 1e-6
     loss, grad = student_gradient(agent, tokenizer, pairs, lambda p: ofsd.privileged(tokenizer, p, "full"), clip)
-    assert loss > 1e-4 and grad > 1e-5  # a real teacher context moves the student: the check can fail
+    assert abs(loss) > 1e-4 and grad > 1e-5  # a real teacher context moves the student: the check can fail
 
 
 def reference_kl(model, s_ids, t_ids, n_response, positions):
