@@ -13,9 +13,11 @@ so a group with equal rewards gives no policy gradient. The loss per policy-samp
 with log-probabilities taken from softmax(logits / temperature), the rollout's temperature.
 (The +-20 clamp only keeps exp() finite; the +-10 clamp is veRL's.)
 
-Each micro-batch keeps a group's trajectories together, and their shared prompt passes the policy
-and the KL model once (pad_shared, model.SharedPrompt): the G rows attend to its keys and values and
-its gradient is their sum, the same loss and gradients as G separate copies (tested in float64).
+A prompt that several trajectories of a micro-batch share (a group's G siblings) passes the policy
+and the KL model once (pad_shared, SharedPrompt): the rows attend to its keys and values and
+its gradient is their sum, the same loss and gradients as separate copies (tested in float64).
+Micro-batches hold trajectories of similar lengths, as before (on the toy world, keeping a group
+together instead padded more than sharing saved).
 The old log-probabilities are the rollout's recorded ones, so no forward computes them.
 
 A GRPO round is `steps` steps, each on a fresh rollout batch of the current policy, passed over
@@ -38,7 +40,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import fsdp
-from model import SharedPrompt, pad_right
+from model import pad_right
 from rollout import em_rewards, rollout
 
 
@@ -73,6 +75,39 @@ def pad_shared(trajs, pad_id, device):
     return (p_ids, p_valid, torch.tensor(group, device=device)), *pad_batch(rest, pad_id, device)
 
 
+class SharedPrompt:
+    """Prompts that several rows continue (a GRPO group's G trajectories share one), computed once.
+
+        shared = SharedPrompt(prompt_ids, prompt_valid, group)   # (P_rows, P) each; group (B,)
+        model.hidden(continuation_ids, valid=..., prefix=shared)  # row b continues group[b]
+
+    In each layer the prompts pass first and their keys and values are kept, with their autograd
+    graph; each continuation row then attends to its prompt's (gathered by `group`) before its own,
+    so the gradient reaching a prompt is the sum over the rows that read it, exactly as if each row
+    had computed the prompt itself."""
+
+    def __init__(self, ids, valid, group):
+        self.ids, self.valid, self.group, self.kv = ids, valid, group, {}
+        self.record = _Record(self.kv)  # what the prompts' stream attends through
+
+    def attend(self, layer, k, v):
+        """Keys and values of a continuation chunk (B, Hkv, T, D): its prompt's, then its own."""
+        pk, pv = self.kv[layer]  # (P_rows, Hkv, P, D)
+        return torch.cat([pk[self.group], k], 2), torch.cat([pv[self.group], v], 2)  # (B, Hkv, P + T, D)
+
+
+class _Record:
+    """The prompts' pass of a SharedPrompt: each layer's keys and values kept (a recomputation
+    under activation checkpointing writes the same ones again)."""
+
+    def __init__(self, kv):
+        self.kv = kv
+
+    def attend(self, layer, k, v):
+        self.kv[layer] = (k, v)
+        return k, v
+
+
 HEAD_CHUNK = 512  # loss positions per LM-head chunk: a (512, V) float32 block at a time (memory, not results)
 
 
@@ -87,7 +122,7 @@ def token_logprobs(model, ids, valid, mask, temperature, entropy=False, chunk=HE
     """log softmax(logits / temperature) of each token where mask is 1: (n_masked,); with
     entropy=True also the entropy -sum_v p log p of each of those distributions: (n_masked,).
     prompts: `pad_shared`'s (ids, valid, group): each row continues its group's prompt, computed
-    once for all the rows that share it (model.SharedPrompt).
+    once for all the rows that share it (SharedPrompt).
 
     Logits are computed only at the masked positions, `chunk` rows at a time; with gradients
     each chunk is recomputed in backward (activation checkpointing), so autograd keeps no (n, V)
@@ -131,14 +166,9 @@ def grpo_step(model, kl_model, optimizer, trajs, advantages, *, micro_batch, cli
         dist.all_reduce(n_tokens)
     optimizer.zero_grad(set_to_none=True)
     sums = torch.zeros(5, device=device)  # loss, pg, kl, clipped, entropy (token sums)
-    # micro-batches pad little and keep a group together, so its prompt is computed once (pad_shared)
-    prompt = [tuple(t.tokens[:t.prompt_len]) for t in trajs]
-    longest = {}
-    for p, t in zip(prompt, trajs):
-        longest[p] = max(longest.get(p, 0), len(t.tokens))
-    order = sorted(range(len(trajs)), key=lambda i: (longest[prompt[i]], prompt[i], len(trajs[i].tokens)))
+    by_length = sorted(range(len(trajs)), key=lambda i: len(trajs[i].tokens))  # micro-batches pad little
     for s in range(0, len(trajs), micro_batch):
-        rows = order[s:s + micro_batch]
+        rows = by_length[s:s + micro_batch]
         prompts, ids, valid, mask, old = pad_shared([trajs[i] for i in rows], pad_id, device)
         adv = torch.tensor([advantages[i] for i in rows], dtype=torch.float32, device=device)
         adv_tok = adv[:, None].expand_as(mask)[:, 1:][mask[:, 1:]]  # (n,) each token its row's advantage

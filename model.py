@@ -187,44 +187,12 @@ class Block(nn.Module):
         return self.layer(x, cos, sin, mask, kv, layer, select)
 
     def layer(self, x, cos, sin, mask, kv, layer, select):
-        if isinstance(x, tuple):  # streams through the same weights, in order (model.SharedPrompt)
+        if isinstance(x, tuple):  # streams through the same weights, in order (grpo.SharedPrompt)
             return tuple(self.layer(*a, layer, s) for a, s in zip(zip(x, cos, sin, mask, kv), select or (None,) * len(x)))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, layer)
         if select is not None:
             x = x[select]  # (n, d): the MLP only where the caller wants an output
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class SharedPrompt:
-    """Prompts that several rows continue (a GRPO group's G trajectories share one), computed once.
-
-        shared = SharedPrompt(prompt_ids, prompt_valid, group)   # (P_rows, P) each; group (B,)
-        model.hidden(continuation_ids, valid=..., prefix=shared)  # row b continues group[b]
-
-    In each layer the prompts pass first and their keys and values are kept, with their autograd
-    graph; each continuation row then attends to its prompt's (gathered by `group`) before its own,
-    so the gradient reaching a prompt is the sum over the rows that read it, exactly as if each row
-    had computed the prompt itself."""
-
-    def __init__(self, ids, valid, group):
-        self.ids, self.valid, self.group, self.kv = ids, valid, group, {}
-
-    def attend(self, layer, k, v):
-        """Keys and values of a continuation chunk (B, Hkv, T, D): its prompt's, then its own."""
-        pk, pv = self.kv[layer]  # (P_rows, Hkv, P, D)
-        return torch.cat([pk[self.group], k], 2), torch.cat([pv[self.group], v], 2)  # (B, Hkv, P + T, D)
-
-
-class _Record:
-    """The prompts' pass of a SharedPrompt: each layer's keys and values kept (a recomputation
-    under activation checkpointing writes the same ones again)."""
-
-    def __init__(self, kv):
-        self.kv = kv
-
-    def attend(self, layer, k, v):
-        self.kv[layer] = (k, v)
-        return k, v
 
 
 class Qwen2(nn.Module):
@@ -252,9 +220,10 @@ class Qwen2(nn.Module):
         positions (default: count of valid tokens before; with a cache, the row's slots).
         With a cache, valid must be right padding; each row's chunk is appended at the row's own
         end and attends to everything the row holds before it.
-        prefix: a `SharedPrompt`: row b continues prompt group[b], attending to its keys and values
-        before its own tokens, its positions following them; the prompts pass each layer in the
-        same call as the rows (one use of the layer's weights, as a sharded model needs).
+        prefix: prompts the rows continue (grpo.SharedPrompt: ids and valid (P_rows, P), group (B,),
+        `record` and `attend`): row b attends to prompt group[b]'s keys and values before its own
+        tokens, its positions following them; the prompts pass each layer in the same call as the
+        rows (one use of the layer's weights, as a sharded model needs), recording their keys.
         select: (B, T) bool; returns only those positions' states, (n, d) in row-major order,
         and the last layer's MLP runs only there (training needs outputs only where it has a
         loss: a sixth of the tokens in a search trajectory).
@@ -264,7 +233,7 @@ class Qwen2(nn.Module):
         if prefix is not None:  # two streams through every layer: the prompts (recording), then the rows
             p = self._inputs(prefix.ids, prefix.valid, None, None, None)
             x, cos, sin, mask = ((a, b) for a, b in zip(p, (x, cos, sin, mask)))
-            kv, last = (_Record(prefix.kv), prefix), (torch.zeros_like(prefix.valid), select)
+            kv, last = (prefix.record, prefix), (torch.zeros_like(prefix.valid), select)
         recompute = self.checkpoint_layers and torch.is_grad_enabled() and cache is None
         n = self.config.num_hidden_layers
         for i, block in enumerate(self.model.layers):

@@ -12,7 +12,7 @@ it, one after the other.
                    AdamW) over --questions x --group trajectories made without sampling: each the
                    question's chat prompt, then --turns turns of --cap random tokens (the policy's),
                    each followed by 256 random tokens of "observation", then a 20-token answer turn;
-                   micro-batches of --micro_batch trajectories
+                   micro-batches of --micro_batch trajectories, --checkpointing recomputes each layer
 Each reports its wall time, policy tokens a second, and the time and FLOPs of each part, measured
 by wrapping the functions every version calls:
   linears     torch.nn.functional.linear on a decoder weight: 2 x rows x in x out FLOPs
@@ -28,7 +28,8 @@ Left out: bfloat16 (run the bench on a CPU with native bfloat16 and --dtype=bflo
 
     git worktree add ../before 4d9e205
     python bench/bench_side_by_side.py --checkpoint ~/.cache/qwen2.5-coder-0.5b-instruct --before ../before --parallel
-    python bench/bench_side_by_side.py --phase=train --questions 2 --threads 2 --checkpoint ... --before ../before
+    python bench/bench_side_by_side.py --phase=train --questions 2 --turns 2 --cap 150 --checkpointing \
+        --threads 2 --checkpoint ~/.cache/qwen2.5-coder-0.5b-instruct --before ../before
 """
 
 import argparse
@@ -88,6 +89,7 @@ def child(args):
         trajs = made_trajectories(tok, questions, args, R)
         kl_model = load(args.checkpoint, "cpu", getattr(torch, args.dtype))[0].eval()
         model.train()
+        model.checkpoint_layers = args.checkpointing
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
         adv = torch.linspace(-1, 1, len(trajs)).tolist()
     t0 = time.perf_counter()
@@ -138,7 +140,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--phase", default="rollout", choices=("rollout", "train"))
-    ap.add_argument("--micro_batch", type=int, default=5, help="trajectories per forward/backward (train)")
+    ap.add_argument("--micro_batch", type=int, default=4, help="trajectories per forward/backward (train)")
+    ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing (train)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -154,7 +157,8 @@ def main():
     limit = max(matmul_rate(r, cfg.hidden_size, cfg.intermediate_size, getattr(torch, args.dtype)) for r in (1024, 80))
     codes = [("before: " + os.path.basename(os.path.abspath(args.before)), args.before)] if args.before else []
     codes.append(("this checkout", HERE))
-    argv = [f"--{k}={v}" for k, v in vars(args).items() if k not in ("before", "parallel", "child")]
+    argv = [f"--{k}={v}" for k, v in vars(args).items() if k not in ("before", "parallel", "child", "checkpointing")]
+    argv += ["--checkpointing"] * args.checkpointing
     argv[argv.index(f"--world={args.world}")] = f"--world={os.path.abspath(args.world)}"
     procs = []
     for name, folder in codes:

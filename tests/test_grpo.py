@@ -140,7 +140,7 @@ def test_chunked_head_matches_full_logits(agent, tokenizer, search_index):
 
 @pytest.mark.parametrize("recompute", [False, True])
 def test_shared_prompt_equals_each_row_alone(agent, tokenizer, search_index, recompute):
-    """Each group's prompt computed once (pad_shared, model.SharedPrompt) gives, in float64, the log-probs,
+    """Each group's prompt computed once (pad_shared, grpo.SharedPrompt) gives, in float64, the log-probs,
     entropies and every parameter gradient of each trajectory computed whole, with and without
     activation checkpointing; the batch also holds two questions' groups of unequal prompt lengths."""
     trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION, "Ada"], G=3, temperature=1.0,
