@@ -217,16 +217,13 @@ class Qwen2(nn.Module):
         """Final-normed hidden states (B, T, d).
 
         valid: (B, T) bool, False for padding (default all True). positions: (B, T) rotary
-        positions (default: count of valid tokens before; with a cache, the row's slots).
-        With a cache, valid must be right padding; each row's chunk is appended at the row's own
-        end and attends to everything the row holds before it.
-        prefix: prompts the rows continue (grpo.SharedPrompt: ids and valid (P_rows, P), group (B,),
-        `record` and `attend`): row b attends to prompt group[b]'s keys and values before its own
-        tokens, its positions following them; the prompts pass each layer in the same call as the
-        rows (one use of the layer's weights, as a sharded model needs), recording their keys.
-        select: (B, T) bool; returns only those positions' states, (n, d) in row-major order,
-        and the last layer's MLP runs only there (training needs outputs only where it has a
-        loss: a sixth of the tokens in a search trajectory).
+        positions (default: count of valid tokens before). cache: a KVCache; valid must be right
+        padding; each row's chunk is appended at the row's own end, attending to all it holds.
+        prefix: prompts the rows continue (grpo.SharedPrompt: ids, valid (P_rows, P), group (B,),
+        `record`, `attend`): row b reads prompt group[b]'s keys and values before its own tokens;
+        the prompts pass each layer in the same call as the rows (as a sharded layer needs).
+        select: (B, T) bool; returns only those positions' states, (n, d) in row-major order, and
+        the last layer's MLP runs only there (training needs outputs only where it has a loss).
         """
         x, cos, sin, mask = self._inputs(input_ids, valid, positions, cache, prefix)
         kv, last = (cache if cache is not None else prefix), select
