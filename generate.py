@@ -104,11 +104,6 @@ class KVCache:
         self.v[:, :n, :, :s] = self.v[:, idx, :, :s]
         self.end[:n] = self.end[idx]
 
-    def drop_last(self, rows):
-        """Forget the last token of each listed row (an end-of-turn token the trajectory does not
-        keep): what follows takes its slot and its rotary position, as if it had never been."""
-        self.end[rows] -= 1
-
     def repeat_rows(self, g):
         """A cache of B*g rows where rows b*g .. b*g+g-1 are copies of row b (the GRPO group)."""
         L, B, H, S, D = self.k.shape
