@@ -58,11 +58,9 @@ class KVCache:
 
     def keep(self, rows):
         """Keep only the listed rows, in that order, as rows 0 .. len(rows)-1 (finished ones leave)."""
-        idx = torch.tensor(rows, dtype=torch.long, device=self.end.device)
-        s = int(self.end[idx].max()) if len(rows) else 0
-        self.k[:, :len(rows), :, :s] = self.k[:, idx, :, :s]  # (L, b, H, s, D); the index copies first
-        self.v[:, :len(rows), :, :s] = self.v[:, idx, :, :s]
-        self.k, self.v, self.end = self.k[:, :len(rows)], self.v[:, :len(rows)], self.end[idx]
+        self.reorder(rows)
+        n = len(rows)
+        self.k, self.v, self.end = self.k[:, :n], self.v[:, :n], self.end[:n]
 
     def take(self, rows, room):
         """A new cache holding copies of the listed rows, with `room` free slots after its longest
@@ -97,8 +95,8 @@ class KVCache:
         return new
 
     def reorder(self, order):
-        """Rows 0..len(order)-1 become the rows `order` (a permutation of those rows), in place."""
-        idx = torch.tensor(order, device=self.end.device)
+        """Rows 0..len(order)-1 become the rows `order` (distinct rows of this cache), in place."""
+        idx = torch.tensor(order, dtype=torch.long, device=self.end.device)
         n, s = len(order), self.length
         self.k[:, :n, :, :s] = self.k[:, idx, :, :s]  # (L, n, H, s, D); the index makes a copy first
         self.v[:, :n, :, :s] = self.v[:, idx, :, :s]
