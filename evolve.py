@@ -170,7 +170,7 @@ def main():
         if dist.is_initialized():
             fsdp.shard(m, dt)
         return m
-    kl_model = kl_start()
+    kl_model = None  # loaded by the first GRPO round (a run resumed into an OFSD round needs none)
     policy.checkpoint_layers = activation_checkpointing
     optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
     if resume:
@@ -219,12 +219,14 @@ def main():
                                           state_bytes=fsdp.state_bytes(policy, optimizer, kl_model)), grpo_line(m, it)))
             state["step"] += grpo_steps
         elif kind == "ofsd":
-            # the round needs neither the KL model nor GRPO's AdamW moments: they go for its length (for
-            # the real 0.5B, 7.5 GB of float32); the moments to a file and back, the KL model comes
-            # again at the next GRPO round
+            # the round needs neither the KL model nor GRPO's gradients and AdamW moments: they go for
+            # its length (for the real 0.5B, 8 GB of float32); the moments to a file and back, the KL
+            # model comes again at the next GRPO round
             kl_model = None
+            optimizer.zero_grad(set_to_none=True)
             parked = os.path.join(ckpt_dir, f"parked-optimizer{rank}.pt")  # goes with this checkpoint
             fsdp.park(optimizer, parked)
+            record(None, f"ofsd | it {it} | mining {ofsd_questions} questions x {group_size}")
             m = ofsd.ofsd_round(
                 policy, tokenizer, index, sample_questions(ofsd_questions), group_size=group_size,
                 rollout_args=rollout_args, generator=gen, ofsd_students=ofsd_students, lora_rank=lora_rank,
