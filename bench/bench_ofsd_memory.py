@@ -30,9 +30,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GB = 1e9
-# the P' command's settings (docs/benchmarks.md), shortened: 1 GRPO step of 2 questions, a round
+# the P' command's settings (docs/benchmarks.md), shortened: 1 GRPO step of 1 question, a round
 # mining 16 questions, 4 test questions
-SETTINGS = ["--iterations=1", "--grpo_steps=1", "--questions_per_step=2", "--ppo_mini_batch=2", "--group_size=5",
+SETTINGS = ["--iterations=1", "--grpo_steps=1", "--questions_per_step=1", "--ppo_mini_batch=1", "--group_size=5",
             "--micro_batch=4", "--activation_checkpointing=true", "--lr=1e-5", "--warmup_steps=1",
             "--max_turn_tokens=200", "--top_p=0.95", "--test_limit=4", "--eval_batch=4", "--rollout_rows=80",
             "--ofsd_questions=16", "--ofsd_clip=none", "--seed=0"]
@@ -53,8 +53,8 @@ def fork(src, dst, repo):
     state_file = os.path.join(dst, "checkpoint", "state.json")
     with open(state_file) as f:
         state = json.load(f)
-    known = defaults(repo)
-    state["config"] = {k: v for k, v in state["config"].items() if k in known}
+    known = defaults(repo)  # a setting the run did not record (a code's own) takes that code's default
+    state["config"] = {k: state["config"].get(k, v) for k, v in known.items()}
     state["config"].update(ofsd_rounds=True, out_dir=dst)
     with open(state_file, "w") as f:
         json.dump(state, f)
@@ -100,7 +100,8 @@ def main():
     args = ap.parse_args()
     work = os.path.abspath(args.work)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    base = [sys.executable, "evolve.py", f"--model_dir={os.path.expanduser(args.checkpoint)}", *SETTINGS]
+    base = [sys.executable, "evolve.py", f"--model_dir={os.path.expanduser(args.checkpoint)}",
+            f"--world_dir={os.path.join(ROOT, 'cache', 'toyworld')}", *SETTINGS]
     grpo_run = os.path.join(work, "grpo")
     if not os.path.isfile(os.path.join(grpo_run, "results.md")):
         measured(base + [f"--out_dir={grpo_run}", "--ofsd_rounds=false", "--overwrite=true"], ROOT, env, args.every)
@@ -110,7 +111,7 @@ def main():
         out = os.path.join(work, "before" if name.startswith("before") else "after")
         fork(grpo_run, out, repo)
         t0 = time.time()
-        lines, samples, peak = measured([sys.executable, "evolve.py", f"--out_dir={out}", "--resume=true"],
+        lines, samples, peak = measured(base + [f"--out_dir={out}", "--ofsd_rounds=true", "--resume=true"],
                                         repo, env, args.every)
         first = next(t for t, line in lines if line.startswith("ofsd |"))
         summary_t, summary = next((t, line) for t, line in lines if line.startswith("ofsd |") and "pairs" in line)
