@@ -73,14 +73,16 @@ class KVCache:
         k[:, :, :, :s], v[:, :, :, :s] = self.k[:, idx, :, :s], self.v[:, idx, :, :s]
         return KVCache._of(k, v, self.end[idx].clone())
 
-    def put(self, rows, sub):
-        """Write the rows of `sub` (a cache from `take(rows, ...)`) back into the listed rows."""
+    def put(self, rows, sub, of=None):
+        """Write rows of `sub` (a cache from `take(rows, ...)`, or a prefill) into the listed rows:
+        sub's row of[j] into rows[j] (default: sub's rows in order)."""
         idx = torch.tensor(rows, dtype=torch.long, device=self.end.device)
+        src = slice(None) if of is None else torch.tensor(of, dtype=torch.long, device=self.end.device)
         s = sub.length
         if s > self.max_len:
             raise ValueError(f"KV cache full: a row would hold {s} tokens > max_len {self.max_len}")
-        self.k[:, idx, :, :s], self.v[:, idx, :, :s] = sub.k[:, :, :, :s], sub.v[:, :, :, :s]
-        self.end[idx] = sub.end
+        self.k[:, idx, :, :s], self.v[:, idx, :, :s] = sub.k[:, src, :, :s], sub.v[:, src, :, :s]
+        self.end[idx] = sub.end[src]
 
     def front(self, n):
         """A cache over rows 0..n-1 of this one: views of the same buffers, so what the model appends
@@ -101,16 +103,6 @@ class KVCache:
         self.k[:, :n, :, :s] = self.k[:, idx, :, :s]  # (L, n, H, s, D); the index makes a copy first
         self.v[:, :n, :, :s] = self.v[:, idx, :, :s]
         self.end[:n] = self.end[idx]
-
-    def repeat_rows(self, g):
-        """A cache of B*g rows where rows b*g .. b*g+g-1 are copies of row b (the GRPO group)."""
-        L, B, H, S, D = self.k.shape
-        n = self.length
-        k = self.k.new_zeros(L, B * g, H, S, D)  # (L, B*g, H, S, D): only the used slots are copied
-        v = self.v.new_zeros(L, B * g, H, S, D)
-        k[:, :, :, :n] = self.k[:, :, :, :n].repeat_interleave(g, dim=1)  # (L, B*g, H, n, D)
-        v[:, :, :, :n] = self.v[:, :, :, :n].repeat_interleave(g, dim=1)
-        return KVCache._of(k, v, self.end.repeat_interleave(g, dim=0))  # (B*g,)
 
 
 def new_cache(model, batch, max_len):

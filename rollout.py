@@ -21,21 +21,22 @@ A trajectory is (tokens, loss_mask, logprobs, ...): loss_mask is 1 exactly where
 sampled the token, 0 on the prompt, the observations and the injected messages. GRPO and OFSD
 both use this one definition.
 
-All B questions x G samples run as one batch through one preallocated KV cache: each prompt is
-prefilled once and copied to its G rows; observations are appended to the cache (no prefix is
-recomputed). There is no barrier between turns: every step, each row still going samples one token;
+The B questions x G samples run through one preallocated KV cache of `rollout_rows` rows (0: all of
+them): each prompt is prefilled once and copied to its G rows, and while questions wait, the next
+one enters as soon as G rows are free (continuous batching: the batch stays full instead of
+waiting for its longest row); observations are appended to the cache (no prefix is recomputed). There is no barrier between turns: every step, each row still going samples one token;
 a row whose turn ends takes its action at once (the searches of the rows that end a turn in the
 same step are one batched call) and reads its observation in a forward of its own rows, then writes
 its next turn while the others still write theirs. The k-th token trajectory i samples uses the
 uniform u[i, k] of one table drawn from the generator at the start, so what a row draws does not
-depend on the rows beside it or on when they stop. Finished rows leave the cache once they are
-half of its rows.
+depend on the rows beside it, on when they stop or on `rollout_rows`. Once no question waits,
+finished rows leave the cache when they are half of its rows.
 
 Reward: R = EM(answer, gold) in {0, 1}, where the answer is the last <answer>...</answer> the
 model wrote and both sides are normalised (lowercase, punctuation and the articles a/an/the
 dropped, whitespace collapsed); any gold answer may match. No format reward.
 
-Left out: continuous batching (a finished row is not refilled with a new question), vLLM.
+Left out: paged attention (a row's slots are preallocated for its longest possible trajectory), vLLM.
 
     python rollout.py CHECKPOINT_DIR INDEX_DIR "Who founded the company that makes the iPhone?"
 """
@@ -166,23 +167,23 @@ def rollout(model, tokenizer, retriever, questions, group_size, *, max_turns, ma
     `rollout_rows`: decode at most this many trajectories at once (the KV cache's size), 0 = all.
     `search_workers`: processes that share each turn's batch of searches (retriever.Index.search)."""
     G, contexts = group_size, contexts or [""] * len(questions)
-    n = max(1, rollout_rows // G) if rollout_rows else len(questions)  # questions per decoding batch
     with fsdp.gathered(model):  # a sharded model: weights all-gathered once for the whole batch
         # the k-th token trajectory i samples uses u[i, k]: what a row draws does not depend on which
-        # rows share its batch or when they stop (so a rollout_rows split gives the same trajectories)
+        # rows share its batch or when they stop (so any rollout_rows gives the same trajectories)
         u = None if temperature == 0 else torch.rand(  # (N, the most tokens a trajectory samples)
             len(questions) * G, (max_turns + 1) * max_turn_tokens, generator=generator,
             device=model.model.embed_tokens.weight.device)
-        return [t for s in range(0, len(questions), n) for t in _rollout(
-            model, tokenizer, retriever, questions[s:s + n], contexts[s:s + n], G, None if u is None else
-            u[s * G:(s + n) * G], max_turns=max_turns, max_turn_tokens=max_turn_tokens,
-            max_obs_tokens=max_obs_tokens, top_k=top_k, temperature=temperature, top_p=top_p,
-            search_workers=search_workers)]
+        return _rollout(model, tokenizer, retriever, questions, contexts, G, u, rollout_rows=rollout_rows,
+                        max_turns=max_turns, max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens,
+                        top_k=top_k, temperature=temperature, top_p=top_p, search_workers=search_workers)
 
 
-def _rollout(model, tokenizer, retriever, questions, contexts, G, u, *, max_turns, max_turn_tokens,
+def _rollout(model, tokenizer, retriever, questions, contexts, G, u, *, rollout_rows, max_turns, max_turn_tokens,
              max_obs_tokens, top_k, temperature, top_p, search_workers):
-    """`rollout` of one decoding batch, u (B*G, (max_turns + 1) * max_turn_tokens) its uniforms."""
+    """`rollout` with u (N, (max_turns + 1) * max_turn_tokens) the trajectories' uniforms. The KV
+    cache holds rollout_rows rows (whole groups; 0 = every trajectory): a question's G rows enter
+    once G rows are free (its prompt prefilled once and copied), so the batch stays full while
+    questions wait; when none waits, finished rows leave once they are half of the cache."""
     prompts = [tokenizer.encode(tokenizer.chat_prompt(make_prompt(q) + c)) for q, c in zip(questions, contexts)]
     trajs = [Trajectory(q, len(p)) for q, p in zip(questions, prompts) for _ in range(G)]
     for t, p in zip(trajs, (p for p in prompts for _ in range(G))):
@@ -191,17 +192,29 @@ def _rollout(model, tokenizer, retriever, questions, contexts, G, u, *, max_turn
     max_len = max(map(len, prompts)) + max_response_tokens(
         tokenizer, max_turns=max_turns, max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens)
     N, cap = len(trajs), max_turn_tokens
-    cache = generate.new_cache(model, len(prompts), max_len)
-    logits = generate.extend(model, cache, prompts)  # (B, V) prefill once per question
-    cache = cache.repeat_rows(G)  # (B*G rows)
-    logits = logits.repeat_interleave(G, dim=0)  # (B*G, V)
-    rows = list(range(N))  # the trajectory in each cache row; None once it has finished
+    size = max(G, rollout_rows // G * G) if rollout_rows else N  # cache rows
+    cache = generate.new_cache(model, min(size, N), max_len)
+    rows = [None] * len(cache.end)  # the trajectory in each cache row; None when free or finished
+    logits = torch.zeros(len(rows), model.config.vocab_size, device=cache.end.device)  # (rows, V) next-token logits
+    waiting = 0  # the first question not yet in the cache
     drawn = [0] * N  # tokens each trajectory has sampled
     turn_toks, turn_lps = [[] for _ in trajs], [[] for _ in trajs]  # what each wrote in its turn so far
     window = max(map(len, STOP_STRINGS)) + 1
-    while any(i is not None for i in rows):
+    while waiting < len(questions) or any(i is not None for i in rows):
+        free = [r for r, i in enumerate(rows) if i is None]
+        k = min(len(free) // G, len(questions) - waiting)  # questions that enter now, G rows each
+        if k:
+            entering = prompts[waiting:waiting + k]
+            sub = generate.new_cache(model, k, max(map(len, entering)))
+            new = generate.extend(model, sub, entering)  # (k, V) prefill once per question
+            at = free[:k * G]
+            cache.put(at, sub, [j // G for j in range(k * G)])  # each prompt copied to its G rows
+            logits[at] = new.repeat_interleave(G, dim=0)  # (k*G, V)
+            for j, r in enumerate(at):
+                rows[r] = waiting * G + j
+            waiting += k
         going = [r for r, i in enumerate(rows) if i is not None]
-        if len(going) <= len(rows) // 2:  # finished rows leave the cache once they are half of it
+        if waiting == len(questions) and len(going) <= len(rows) // 2:  # finished rows leave, half at a time
             cache.keep(going)
             logits, rows = logits[going], [rows[r] for r in going]  # (b, V)
             going = list(range(len(rows)))

@@ -99,7 +99,7 @@ def child(args):
                        kl_coef=0.001, entropy_coef=0.001, temperature=1.0, max_grad_norm=1.0, pad_id=tok.pad_id)
     else:
         trajs = R.rollout(model, tok, index, questions, args.group, max_turns=args.turns, max_turn_tokens=args.cap,
-                          max_obs_tokens=256, top_k=3, temperature=1.0, top_p=0.95,
+                          max_obs_tokens=256, top_k=3, temperature=1.0, top_p=0.95, rollout_rows=args.rollout_rows,
                           generator=torch.Generator().manual_seed(args.seed))
     wall = time.perf_counter() - t0
     print(json.dumps(dict(wall=wall, tokens=sum(sum(t.loss_mask) for t in trajs), spent=spent, flops=flops,
@@ -137,6 +137,7 @@ def main():
     ap.add_argument("--group", type=int, default=5)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--cap", type=int, default=200)
+    ap.add_argument("--rollout_rows", type=int, default=0, help="trajectories decoded at once (rollout); 0 = all")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--phase", default="rollout", choices=("rollout", "train"))
@@ -176,7 +177,8 @@ def main():
         rows.append((name, json.loads(out.strip().splitlines()[-1])))
     print(f"{os.path.basename(args.checkpoint.rstrip('/'))}, {args.dtype}, {args.threads} thread(s) a process, "
           f"{'both at once' if args.parallel else 'one after the other'}; {args.phase}: {args.questions} toy "
-          f"questions x {args.group}, {args.turns} turns of <= {args.cap} tokens, seed {args.seed}; "
+          f"questions x {args.group}, {args.turns} turns of <= {args.cap} tokens, rollout_rows {args.rollout_rows}, "
+          f"seed {args.seed}; "
           f"limit {limit / 1e9:.1f} GFLOP/s (best float32 matmul at the model's shapes)\n")
     print("| code | seconds | policy tokens | tokens/s | answered | searches |\n|---|---|---|---|---|---|")
     for name, r in rows:

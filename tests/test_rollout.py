@@ -86,14 +86,35 @@ def test_batch_equals_rows_alone(agent, tokenizer, search_index):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_rollout_rows_decodes_in_batches_with_the_same_result(agent, tokenizer, search_index, temperature):
-    """rollout_rows=4 with G=2 decodes two questions at a time and returns the same trajectories, in order:
-    sampled too, as what a trajectory draws does not depend on which rows share its batch."""
+    """rollout_rows=4 with G=2 holds two questions at a time (the third enters when two rows are free)
+    and returns the same trajectories, in order: sampled too, as what a trajectory draws does not
+    depend on which rows share its batch."""
     qs = [AGENT_QUESTION, "Turing", "Paris 1815 river and the lake mountain"]
     whole, parts = (run(agent, tokenizer, search_index, qs, G=2, temperature=temperature, rollout_rows=rows,
                         generator=torch.Generator().manual_seed(4)) for rows in (0, 4))
     assert [(t.question, t.tokens, t.loss_mask) for t in parts] == [(t.question, t.tokens, t.loss_mask) for t in whole]
     if temperature:
         assert len({tuple(t.tokens) for t in whole}) > 3  # the samples differ from each other
+
+
+def test_a_question_enters_as_soon_as_its_rows_are_free(agent, tokenizer, search_index, monkeypatch):
+    """With room for two of three questions, the third starts once G rows are free, beside the rows
+    still writing: the batch samples fewer times than two batches one after the other would."""
+    from rollout import _rollout
+    qs = [AGENT_QUESTION, "Turing", "Paris 1815 river and the lake mountain"]
+    draws = []
+    monkeypatch.setattr(generate, "draw", lambda *a, f=generate.draw: draws.append(len(a[0])) or f(*a))
+    u = torch.rand(len(qs) * 2, 5 * 40, generator=torch.Generator().manual_seed(4))  # what rollout draws
+    args = dict(max_turns=4, max_turn_tokens=40, max_obs_tokens=400, top_k=3, temperature=1.0, top_p=1.0,
+                search_workers=1)
+    count = []
+    for questions, rows, rows_u in ((qs, 4, u), (qs[:2], 0, u[:4]), (qs[2:], 0, u[4:])):
+        draws.clear()
+        _rollout(agent, tokenizer, search_index, questions, [""] * len(questions), 2, rows_u, rollout_rows=rows, **args)
+        count.append(len(draws))
+        if rows:
+            assert max(draws) == rows  # never more rows than rollout_rows
+    assert count[0] < count[1] + count[2]
 
 
 def test_rows_go_on_to_their_next_turn_alone(agent, tokenizer, search_index, monkeypatch):
@@ -118,7 +139,7 @@ def test_rows_go_on_to_their_next_turn_alone(agent, tokenizer, search_index, mon
 def rollout_rows_alone(agent, tokenizer, search_index, question, u):
     """One trajectory of `question`, decoded alone with the uniforms u."""
     from rollout import _rollout
-    return _rollout(agent, tokenizer, search_index, [question], [""], 1, u[None], max_turns=4, max_turn_tokens=40,
+    return _rollout(agent, tokenizer, search_index, [question], [""], 1, u[None], rollout_rows=0, max_turns=4, max_turn_tokens=40,
                     max_obs_tokens=400, top_k=3, temperature=1.0, top_p=1.0, search_workers=1)
 
 
