@@ -24,8 +24,9 @@ both use this one definition.
 The B questions x G samples run through one preallocated KV cache of `rollout_rows` rows (0: all of
 them): each prompt is prefilled once and copied to its G rows, and while questions wait, the next
 one enters as soon as G rows are free (continuous batching: the batch stays full instead of
-waiting for its longest row); observations are appended to the cache (no prefix is recomputed). There is no barrier between turns: every step, each row still going samples one token;
-a row whose turn ends takes its action at once (the searches of the rows that end a turn in the
+waiting for its longest row); observations are appended to the cache (no prefix is recomputed).
+There is no barrier between turns: every step, each row still going samples one token; a row
+whose turn ends takes its action at once (the searches of the rows that end a turn in the
 same step are one batched call) and reads its observation in a forward of its own rows, then writes
 its next turn while the others still write theirs. The k-th token trajectory i samples uses the
 uniform u[i, k] of one table drawn from the generator at the start, so what a row draws does not

@@ -1,126 +1,136 @@
-"""The loop's OFSD round on a real checkpoint: its peak resident memory, this checkout against another.
+"""The OFSD round's peak memory on a real checkpoint: with GRPO's state resident, and let go as the loop does.
 
-One short GRPO-only run of this checkout (`evolve.py --ofsd_rounds=false`, the settings below)
-leaves the checkpoint after its GRPO round. Each code (this checkout, and the checkout --before
-names) then continues a copy of that run into one OFSD round with `evolve.py --resume` (the way
-bench_ablation.fork turns a run into a variant: the recorded settings say ofsd_rounds=true), one
-code after the other, nothing else from this script beside it. The resident set of the resumed
-process is read every --every seconds (/proc/PID/status, VmRSS) and each printed line is timed, so
-the table gives the peak over the whole process (os.wait4's ru_maxrss), over the round (from its
-first "ofsd |" line to its "ofsd | ... pairs" summary line; a code that prints no line when its
-round starts is measured from its first LoRA step) and the round's summary.
+After a GRPO step the loop holds the policy, its gradients, AdamW's two moments and the KL term's
+model (for the real 0.5B in float32: 2 + 2 + 4 + 2 GB). The OFSD round needs only the policy.
+Since #49 `evolve.py` lets the rest go for the round's length (the KL model dropped, the
+gradients set to None, the moments parked in a file: `fsdp.park`); before it (4d9e205) all of it
+stayed. Each regime runs in a process of its own, one after the other, on the same made inputs:
 
-    python3 bench/bench_ofsd_memory.py --checkpoint ~/.cache/qwen2.5-coder-0.5b-instruct \\
-        --before ../before --work runs/ofsd_memory [--threads 2]
+1. setup: the policy and the KL model loaded, one `grpo.grpo_step` on --trajectories made
+   trajectories (bench_side_by_side.made_trajectories: chat prompt, 2 turns of 200 random policy
+   tokens each followed by 256 of observation, a 20-token answer; micro-batches of 4, activation
+   checkpointing: the P' command's settings), so gradients and moments exist;
+2. the regime applied ("resident": nothing goes; "released": what evolve.py's OFSD branch lets
+   go), then the peak reset (/proc/self/clear_refs) to what is resident at the round's start;
+3. the round's two big parts, each on made inputs: the mining rollout's KV cache (--rows rows of
+   the length the protocol bounds, 4 turns of 200 tokens and 256-token observations, with the
+   toy questions' prompts prefilled) and `ofsd.distill` (LoRA rank 16, `ofsd_clip=none`, 2
+   epochs) on --pairs pairs made the same way (tau_ref's whole response in the teacher's prompt:
+   about 1,000 student and 1,800 teacher tokens), 4 pairs a step, activation checkpointing.
+The peak resident set (VmHWM) is read after each part.
 
-What the resumed process holds before its round (setup: the policy, a code's KL model, the
-optimizer state from the checkpoint) counts in the whole-process peak; the round's own peak is the
-second column. Both codes mine their pairs with their own sampler, so their pairs can differ: the
-table gives their number and length.
+    python3 bench/bench_ofsd_memory.py --checkpoint ~/.cache/qwen2.5-coder-0.5b-instruct [--threads 2]
+
+Left out: the round's greedy diagnostics (their KV caches are the mined pairs' few rows).
 """
 
 import argparse
+import gc
 import json
 import os
-import shutil
 import subprocess
 import sys
-import threading
+import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GB = 1e9
-# the P' command's settings (docs/benchmarks.md), shortened: 1 GRPO step of 1 question, a round
-# mining 16 questions, 4 test questions
-SETTINGS = ["--iterations=1", "--grpo_steps=1", "--questions_per_step=1", "--ppo_mini_batch=1", "--group_size=5",
-            "--micro_batch=4", "--activation_checkpointing=true", "--lr=1e-5", "--warmup_steps=1",
-            "--max_turn_tokens=200", "--top_p=0.95", "--test_limit=4", "--eval_batch=4", "--rollout_rows=80",
-            "--ofsd_questions=16", "--ofsd_clip=none", "--seed=0"]
 
 
-def defaults(repo):
-    """The settings a checkout's evolve.py knows, with their defaults."""
-    out = subprocess.run([sys.executable, "-c", "import json, evolve; print(json.dumps(evolve.DEFAULTS))"],
-                         cwd=repo, capture_output=True, text=True, check=True).stdout
-    return json.loads(out)
+def peak():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
-def fork(src, dst, repo):
-    """Copy the GRPO-only run to `dst`, its recorded settings as `repo`'s evolve.py knows them, ofsd_rounds on."""
-    shutil.rmtree(dst, ignore_errors=True)
-    shutil.copytree(src, dst)
-    os.remove(os.path.join(dst, "results.md"))
-    state_file = os.path.join(dst, "checkpoint", "state.json")
-    with open(state_file) as f:
-        state = json.load(f)
-    known = defaults(repo)  # a setting the run did not record (a code's own) takes that code's default
-    state["config"] = {k: state["config"].get(k, v) for k, v in known.items()}
-    state["config"].update(ofsd_rounds=True, out_dir=dst)
-    with open(state_file, "w") as f:
-        json.dump(state, f)
-
-
-def resident(pid):
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-    except (FileNotFoundError, StopIteration, ProcessLookupError):
-        return 0
-
-
-def measured(cmd, cwd, env, every):
-    """Run cmd; returns (its stdout lines with their times, RSS samples (time, bytes), peak bytes)."""
-    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    lines, samples, done = [], [], threading.Event()
-
-    def poll():
-        while not done.is_set():
-            samples.append((time.time(), resident(p.pid)))
-            done.wait(every)
-    t = threading.Thread(target=poll)
-    t.start()
-    for line in p.stdout:
-        lines.append((time.time(), line.rstrip("\n")))
-        print(line, end="", flush=True)
-    _, status, usage = os.wait4(p.pid, 0)
-    done.set()
-    t.join()
-    if status:
-        sys.exit(f"{' '.join(cmd)} failed in {cwd} (status {status})")
-    return lines, samples, usage.ru_maxrss * 1024
+def child(args):
+    import torch
+    torch.set_num_threads(args.threads)
+    sys.path[:0] = [HERE, os.path.join(HERE, "bench")]
+    import fsdp
+    import generate
+    import grpo
+    import ofsd
+    import rollout as R
+    from bench_side_by_side import made_trajectories
+    from model import load
+    from toyworld import read_jsonl
+    t0 = time.time()
+    policy, tok = load(args.checkpoint, "cpu", torch.float32)
+    kl_model = load(args.checkpoint, "cpu", torch.float32)[0].eval()
+    policy.checkpoint_layers = True
+    questions = [q["question"] for q in read_jsonl(os.path.join(args.world, "train.jsonl"))]
+    made = argparse.Namespace(seed=0, group=1, cap=200, turns=2)
+    trajs = made_trajectories(tok, questions[:args.trajectories], made, R)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6, weight_decay=0.0)
+    policy.train()
+    grpo.grpo_step(policy, kl_model, optimizer, trajs, [1.0, -1.0] * (len(trajs) // 2) + [0.0] * (len(trajs) % 2),
+                   micro_batch=4, clip_ratio=0.2, kl_coef=0.001, entropy_coef=0.001, temperature=1.0,
+                   max_grad_norm=1.0, pad_id=tok.pad_id)
+    policy.eval()
+    setup_peak = peak()
+    if args.regime == "released":  # evolve.py's OFSD branch
+        kl_model = None
+        gc.collect()
+        optimizer.zero_grad(set_to_none=True)
+        fsdp.park(optimizer, os.path.join(args.tmp, "parked.pt"))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak starts again from what is resident now
+    resident = peak()
+    # the mining rollout's KV cache: --rows rows as long as the protocol allows, the prompts prefilled
+    prompts = [tok.encode(tok.chat_prompt(R.make_prompt(q))) for q in questions[:args.rows // 5]]
+    max_len = max(map(len, prompts)) + R.max_response_tokens(tok, max_turns=4, max_turn_tokens=200, max_obs_tokens=256)
+    with torch.no_grad():
+        cache = generate.new_cache(policy, args.rows, max_len)
+        sub = generate.new_cache(policy, len(prompts), max(map(len, prompts)))
+        generate.extend(policy, sub, prompts)
+        cache.put(list(range(len(prompts) * 5)), sub, [j // 5 for j in range(len(prompts) * 5)])
+    mining_peak = peak()
+    del cache, sub
+    gc.collect()
+    pair_trajs = made_trajectories(tok, questions[:2 * args.pairs], made, R)
+    pairs = [ofsd.Pair(ref, stu, True, golds=("x",)) for ref, stu in zip(pair_trajs[::2], pair_trajs[1::2])]
+    with torch.enable_grad():
+        ofsd.distill(policy, tok, pairs, lora_rank=16, lora_alpha=32, lora_lr=2e-4, lora_epochs=2, ofsd_micro_batch=4,
+                     tau_clip=0.05, ofsd_clip="none", ofsd_context="full", ofsd_positions="policy",
+                     max_grad_norm=1.0, kl_chunk=256, seed=0)
+    print(json.dumps(dict(regime=args.regime, setup=setup_peak, resident=resident, mining=mining_peak, round=peak(),
+                          seconds=time.time() - t0, student=len(pairs[0].stu.tokens),
+                          teacher=len(ofsd.pair_sequences(tok, pairs[0].stu, ofsd.privileged(tok, pairs[0], "full")).teacher))))
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--checkpoint", required=True, help="an HF Qwen2 checkpoint folder")
-    ap.add_argument("--before", required=True, help="the other checkout (e.g. a git worktree of 4d9e205)")
-    ap.add_argument("--work", default="runs/ofsd_memory", help="where the runs go (reused if there)")
+    ap.add_argument("--checkpoint", default=os.environ.get("QWEN_CHECKPOINT", ""))
+    ap.add_argument("--world", default=os.path.join(HERE, "cache", "toyworld"), help="toy world folder (evolve.py writes it)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--every", type=float, default=1.0, help="seconds between resident-set reads")
+    ap.add_argument("--trajectories", type=int, default=2, help="made trajectories of the GRPO step")
+    ap.add_argument("--rows", type=int, default=80, help="KV-cache rows of the mining rollout (rollout_rows)")
+    ap.add_argument("--pairs", type=int, default=4)
+    ap.add_argument("--regime", choices=("resident", "released"), help=argparse.SUPPRESS)
+    ap.add_argument("--tmp", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    work = os.path.abspath(args.work)
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    base = [sys.executable, "evolve.py", f"--model_dir={os.path.expanduser(args.checkpoint)}",
-            f"--world_dir={os.path.join(ROOT, 'cache', 'toyworld')}", *SETTINGS]
-    grpo_run = os.path.join(work, "grpo")
-    if not os.path.isfile(os.path.join(grpo_run, "results.md")):
-        measured(base + [f"--out_dir={grpo_run}", "--ofsd_rounds=false", "--overwrite=true"], ROOT, env, args.every)
+    if args.regime:
+        return child(args)
+    if not args.checkpoint:
+        sys.exit("give --checkpoint DIR (a Hugging Face Qwen2.5 folder) or set QWEN_CHECKPOINT")
     rows = []
-    for name, repo in ((f"before ({os.path.basename(os.path.abspath(args.before))})", os.path.abspath(args.before)),
-                       ("this checkout", ROOT)):
-        out = os.path.join(work, "before" if name.startswith("before") else "after")
-        fork(grpo_run, out, repo)
-        t0 = time.time()
-        lines, samples, peak = measured(base + [f"--out_dir={out}", "--ofsd_rounds=true", "--resume=true"],
-                                        repo, env, args.every)
-        first = next(t for t, line in lines if line.startswith("ofsd |"))
-        summary_t, summary = next((t, line) for t, line in lines if line.startswith("ofsd |") and "pairs" in line)
-        in_round = max(b for t, b in samples if first <= t <= summary_t)
-        rows.append((name, time.time() - t0, peak, in_round, summary_t - first, summary))
-    print("\n| code | process s | process peak GB | round peak GB | round s | round |")
+    with tempfile.TemporaryDirectory() as tmp:
+        for regime in ("resident", "released"):
+            cmd = [sys.executable, os.path.abspath(__file__), f"--regime={regime}", f"--tmp={tmp}",
+                   *(f"--{k}={v}" for k, v in vars(args).items() if k not in ("regime", "tmp"))]
+            p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
+            if p.returncode:
+                sys.exit(f"{regime}: failed (exit {p.returncode})\n{p.stderr[-3000:]}")
+            rows.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    r = rows[0]
+    print(f"{os.path.basename(args.checkpoint.rstrip('/'))}, float32, {args.threads} threads; GRPO step on "
+          f"{args.trajectories} made trajectories; mining KV cache of {args.rows} rows; distill on {args.pairs} pairs "
+          f"({r['student']} student / {r['teacher']} teacher tokens)\n")
+    print("| regime | setup peak GB | resident at the round's start GB | round: mining peak GB | round: peak GB | seconds |")
     print("|---|---|---|---|---|---|")
-    for name, secs, peak, in_round, round_s, summary in rows:
-        print(f"| {name} | {secs:.0f} | {peak / GB:.2f} | {in_round / GB:.2f} | {round_s:.0f} | {summary} |")
+    for r in rows:
+        print(f"| {r['regime']} | {r['setup'] / GB:.2f} | {r['resident'] / GB:.2f} | {r['mining'] / GB:.2f} | "
+              f"{r['round'] / GB:.2f} | {r['seconds']:.0f} |")
 
 
 if __name__ == "__main__":
