@@ -223,7 +223,6 @@ def main():
             # its length (for the real 0.5B, 8 GB of float32); the moments to a file and back, the KL
             # model comes again at the next GRPO round
             kl_model = None
-            optimizer.zero_grad(set_to_none=True)
             parked = os.path.join(ckpt_dir, f"parked-optimizer{rank}.pt")  # goes with this checkpoint
             fsdp.park(optimizer, parked)
             record(None, f"ofsd | it {it} | mining {ofsd_questions} questions x {group_size}")

@@ -170,9 +170,11 @@ def local(t):
 
 
 def park(optimizer, path):
-    """Write this rank's optimizer state to `path` and free its memory until `unpark` (for a phase
-    that does not step this optimizer: the OFSD round does not need GRPO's AdamW moments). A plain
-    tensor leaves the state (None in its place); a sharded one keeps its shape, not its storage."""
+    """Write this rank's optimizer state to `path` and free its memory until `unpark`, and drop its
+    parameters' gradients (for a phase that does not step this optimizer: the OFSD round needs
+    neither GRPO's AdamW moments nor its last gradients). A plain tensor leaves the state (None in
+    its place); a sharded one keeps its shape, not its storage."""
+    optimizer.zero_grad(set_to_none=True)
     torch.save([local(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)], path)
     for s in optimizer.state.values():
         for k, v in s.items():

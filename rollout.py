@@ -202,7 +202,7 @@ def _rollout(model, tokenizer, retriever, questions, contexts, G, u, *, rollout_
     turn_toks, turn_lps = [[] for _ in trajs], [[] for _ in trajs]  # what each wrote in its turn so far
     window = max(map(len, STOP_STRINGS)) + 1
     while waiting < len(questions) or any(i is not None for i in rows):
-        free = [r for r, i in enumerate(rows) if i is None]
+        free = [r for r, i in enumerate(rows) if i is None] if waiting < len(questions) else []
         k = min(len(free) // G, len(questions) - waiting)  # questions that enter now, G rows each
         if k:
             entering = prompts[waiting:waiting + k]

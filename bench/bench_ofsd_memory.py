@@ -71,7 +71,6 @@ def child(args):
     if args.regime == "released":  # evolve.py's OFSD branch
         kl_model = None
         gc.collect()
-        optimizer.zero_grad(set_to_none=True)
         fsdp.park(optimizer, os.path.join(args.tmp, "parked.pt"))
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak starts again from what is resident now
