@@ -70,14 +70,15 @@ CPU_ROWS = 8  # rows per step of the PyTorch path: its (8, V) temporaries stay i
 def _loss_and_grad_torch(zs, zt, tau_clip, clip, row_scale, out):
     """Per-row loss (N,); writes row_scale * dLoss_row/dzs into `out` (N, V), analytically.
 
-    Extra memory is a few (CPU_ROWS, V) float32 temporaries, whatever N is."""
-    rows = torch.empty(zs.shape[0], dtype=torch.float32, device=zs.device)
+    Extra memory is a few (CPU_ROWS, V) float32 temporaries (float64 for float64 logits), whatever N is."""
+    dt = torch.promote_types(zs.dtype, torch.float32)
+    rows = torch.empty(zs.shape[0], dtype=dt, device=zs.device)
     for c in range(0, zs.shape[0], CPU_ROWS):
-        log_ps = torch.log_softmax(zs[c:c + CPU_ROWS].float(), -1)  # (C, V)
-        log_pt = torch.log_softmax(zt[c:c + CPU_ROWS].float(), -1)
+        log_ps = torch.log_softmax(zs[c:c + CPU_ROWS].to(dt), -1)  # (C, V)
+        log_pt = torch.log_softmax(zt[c:c + CPU_ROWS].to(dt), -1)
         pt = log_pt.exp()
         f = log_pt.sub_(log_ps).mul_(pt).masked_fill_(pt == 0, 0.0)  # (C, V) f(v); Pt(v) = 0 -> 0, not 0 * inf
-        scale = row_scale[c:c + CPU_ROWS, None].float()  # (C, 1)
+        scale = row_scale[c:c + CPU_ROWS, None].to(dt)  # (C, 1)
         if clip == "vocab":
             pt.mul_(f <= tau_clip)  # m(v) Pt(v)
             rows[c:c + CPU_ROWS] = f.clamp_(max=tau_clip).sum(-1)
@@ -210,7 +211,7 @@ class FusedLinearClippedKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_student, h_teacher, weight, row_weight, tau_clip, clip, chunk, use_triton):
         grad_h = torch.empty_like(h_student)
-        total = torch.zeros((), device=h_student.device)
+        total = torch.zeros((), dtype=torch.promote_types(h_student.dtype, torch.float32), device=h_student.device)
         for c in range(0, h_student.shape[0], chunk):
             zs = F.linear(h_student[c:c + chunk], weight)  # (C, V)
             zt = F.linear(h_teacher[c:c + chunk], weight)  # (C, V)

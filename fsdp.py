@@ -99,7 +99,7 @@ def setup(device, dtype, hidden_size):
     backend = "nccl" if dev.startswith("cuda") else "gloo"
     if "RANK" in os.environ:
         dist.init_process_group(backend)
-    elif dt != torch.float32:
+    elif dt.itemsize < 4:  # bfloat16 (or float16) compute: mixed precision, as on N ranks
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     return rank, world_size, dev, dt
@@ -107,7 +107,8 @@ def setup(device, dtype, hidden_size):
 
 def shard(model, compute_dtype):
     """Shard a float32 Qwen2 over the default process group, per decoder layer and at the root."""
-    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    # gradients reduced in float32 at least (a float64 model, the exactness tests', stays float64)
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.promote_types(compute_dtype, torch.float32))
     for block in model.model.layers:
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)

@@ -165,7 +165,7 @@ def grpo_step(model, kl_model, optimizer, trajs, advantages, *, micro_batch, cli
     if dist.is_initialized():
         dist.all_reduce(n_tokens)
     optimizer.zero_grad(set_to_none=True)
-    sums = torch.zeros(5, device=device)  # loss, pg, kl, clipped, entropy (token sums)
+    sums = torch.zeros(5, dtype=torch.float64, device=device)  # loss, pg, kl, clipped, entropy (token sums)
     by_length = sorted(range(len(trajs)), key=lambda i: len(trajs[i].tokens))  # micro-batches pad little
     for s in range(0, len(trajs), micro_batch):
         rows = by_length[s:s + micro_batch]

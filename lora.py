@@ -88,7 +88,8 @@ def disabled(model):
 def merge(model):
     """W <- W + scaling * B @ A for every adapter, then replace each wrapper by its base Linear."""
     for name, m in _wrapped(model):
-        delta = (m.lora_B.weight.float() @ m.lora_A.weight.float()) * m.scaling  # (out, in)
+        dt = torch.promote_types(m.lora_B.weight.dtype, torch.float32)  # float32 at least
+        delta = (m.lora_B.weight.to(dt) @ m.lora_A.weight.to(dt)) * m.scaling  # (out, in)
         w = m.base.weight
         if isinstance(w, DTensor):  # a sharded weight (FSDP2): add this rank's rows of delta
             delta = distribute_tensor(delta, w.device_mesh, w.placements, src_data_rank=None)

@@ -1,7 +1,7 @@
 """Worker for test_fsdp.py: GRPO steps and an OFSD round on fixed trajectories and pairs.
 
-    python tests/sharded_steps.py MODEL_DIR OUT.pt [float32|bfloat16|checkpointing]       # 1 process
-    torchrun --nproc_per_node=2 tests/sharded_steps.py MODEL_DIR OUT.pt [float32|bfloat16]
+    python tests/sharded_steps.py MODEL_DIR OUT.pt [float32|float64|bfloat16|checkpointing]       # 1 process
+    torchrun --nproc_per_node=2 tests/sharded_steps.py MODEL_DIR OUT.pt [float32|float64|bfloat16]
 
 Every process builds the same 12 trajectories (4 questions x G=3) from the checkpoint's own
 tokenizer, with recorded log-probs a little off the model's (so the PPO clip acts); rank r takes
@@ -71,10 +71,11 @@ def plain_step(model, dtype, trajs, advantages, pad_id):
 def main():
     model_dir, out, mode = sys.argv[1], sys.argv[2], (sys.argv[3] if len(sys.argv) > 3 else "float32")
     shift = float(sys.argv[4]) if len(sys.argv) > 4 else 0.3
-    rank, world, _, dt = fsdp.setup("cpu", "bfloat16" if mode == "bfloat16" else "float32", 0)  # evolve.py's setup
+    weights = torch.float64 if mode == "float64" else torch.float32  # float64: the exactness check
+    rank, world, _, dt = fsdp.setup("cpu", mode if mode in ("bfloat16", "float64") else "float32", 0)  # evolve.py's setup
     torch.manual_seed(0)
-    policy, tokenizer = load(model_dir)
-    reference = load(model_dir)[0]
+    policy, tokenizer = load(model_dir, "cpu", weights)
+    reference = load(model_dir, "cpu", weights)[0]
     trajs = trajectories(policy, tokenizer, shift)
     rewards = [1, 0, 0, 0, 1, 1, 0, 0, 0, 1, 0, 1]
     adv = grpo.group_advantages(rewards, G).tolist()

@@ -1,10 +1,12 @@
 """FSDP2 sharding and mixed precision (fsdp.py), on CPU with gloo: 2 ranks against 1 process.
 
 The step tests run tests/sharded_steps.py (3 GRPO steps and an OFSD round per clip mode on fixed
-trajectories and pairs) once per layout and compare what rank 0 saved. float32 on 2 ranks vs 1 process:
-losses and gradient norms within 1e-5 relative, weights 2e-5 after GRPO and 5e-5 after OFSD
-(measured 8e-8 to 5e-7 on losses, 3.5e-6 relative on a gradient norm of 18, 7.6e-7 and 5.9e-6
-on weights: the sum over ranks changes the float order).
+trajectories and pairs) once per layout and compare what rank 0 saved. Exactness is checked in
+float64: 2 ranks give 1 process's losses, gradients and weights to 1e-10 (measured 4e-14 on an Intel
+Xeon with AMX, 2026-12-04). In float32 the sum over ranks runs in another order, and AdamW turns
+that into updates ~lr apart wherever a gradient is near zero (2.5e-4 apart after an OFSD round on
+AVX-512, where AVX2 happened to stay under 5e-5), so float32 is compared at the first step only,
+against the float64 result, with this CPU's own float32 rounding as the unit.
 
 bfloat16 compute is checked at the first step, where every layout starts from the same weights
 (later steps are not compared: AdamW's first updates are lr * sign(g), so where bfloat16 flips a
@@ -47,7 +49,8 @@ def steps(micro, tmp_path_factory):
     for name, launcher, mode, shift in (
             ("one", [sys.executable], "float32", "0.3"), ("two", TORCHRUN, "float32", "0.3"),
             ("one_recompute", [sys.executable], "checkpointing", "0.3"), ("one_own", [sys.executable], "float32", "0"),
-            ("one_bf16", [sys.executable], "bfloat16", "0"), ("two_bf16", TORCHRUN, "bfloat16", "0")):
+            ("one_bf16", [sys.executable], "bfloat16", "0"), ("two_bf16", TORCHRUN, "bfloat16", "0"),
+            ("one_f64", [sys.executable], "float64", "0.3"), ("two_f64", TORCHRUN, "float64", "0.3")):
         run(launcher + ["tests/sharded_steps.py", model_dir, str(d / f"{name}.pt"), mode, shift])
         out[name] = torch.load(d / f"{name}.pt", weights_only=True)
     return out
@@ -57,27 +60,41 @@ def max_diff(a, b):
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def test_two_ranks_grpo_matches_one_process(steps):
-    """GRPO steps split over 2 ranks give 1 process's losses, gradient norms and weights (float32)."""
-    one, two = steps["one"], steps["two"]
+def test_two_ranks_match_one_process_in_float64(steps):
+    """In float64, 3 GRPO steps and an OFSD round per clip mode on 2 ranks are 1 process's, to 1e-10."""
+    one, two = steps["one_f64"], steps["two_f64"]
     for a, b in zip(one["steps"], two["steps"]):
         assert a["tokens"] == b["tokens"] and a["clip_frac"] == b["clip_frac"]
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 * max(1.0, abs(a["loss"]))
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * max(1.0, a["grad_norm"])
+        assert abs(a["loss"] - b["loss"]) <= 1e-10 * max(1.0, abs(a["loss"]))
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-10 * max(1.0, a["grad_norm"])
     assert one["steps"][2]["clip_frac"] > 0  # the later updates are clipped: the ratio path is exercised
-    assert max_diff(one["after_grpo"], two["after_grpo"]) < 2e-5
+    assert len(one["grads"]) == len(two["grads"]) == 3
+    for g1, g2 in zip(one["grads"], two["grads"]):  # the full gradient each step applies
+        assert max_diff(g1, g2) <= 1e-10
+    for w1, w2 in zip(one["weights"], two["weights"]):
+        assert max_diff(w1, w2) <= 1e-10
+    for clip in CLIPS:
+        assert len(one["ofsd"][clip]["losses"]) == len(two["ofsd"][clip]["losses"]) > 0
+        assert max(abs(a - b) for a, b in zip(one["ofsd"][clip]["losses"], two["ofsd"][clip]["losses"])) <= 1e-10
+        assert max_diff(one["after_ofsd"][clip], two["after_ofsd"][clip]) <= 1e-10
+        before = one["after_grpo"] if clip == CLIPS[0] else one["after_ofsd"][CLIPS[CLIPS.index(clip) - 1]]
+        assert max_diff(before, one["after_ofsd"][clip]) > 1e-3  # this round's merge changed the weights
 
 
-@pytest.mark.parametrize("clip", CLIPS)
-def test_two_ranks_ofsd_matches_one_process(steps, clip):
-    """An OFSD round (LoRA on the sharded base, teacher pass with it off, merge) matches 1 process, each clip mode."""
-    one, two = steps["one"], steps["two"]
-    assert len(one["ofsd"][clip]["losses"]) == len(two["ofsd"][clip]["losses"]) > 0
-    # float32 sums over 2 ranks in another order: 1.7e-5 apart on an AVX-512 CPU (2026-12-01), < 1e-5 on AVX2
-    assert max(abs(a - b) for a, b in zip(one["ofsd"][clip]["losses"], two["ofsd"][clip]["losses"])) < 5e-5
-    assert max_diff(one["after_ofsd"][clip], two["after_ofsd"][clip]) < 5e-5
-    before = one["after_grpo"] if clip == CLIPS[0] else one["after_ofsd"][CLIPS[CLIPS.index(clip) - 1]]
-    assert max_diff(before, one["after_ofsd"][clip]) > 1e-3  # this round's merge changed the weights
+def test_two_ranks_float32_step_is_within_rounding(steps):
+    """In float32, the first GRPO step's loss and gradient on 2 ranks are as near the float64 ones as 1 process's."""
+    # Only the first step: after it AdamW turns a rounding-sized difference of a near-zero gradient into
+    # a full +-lr update (lr g / (|g| + eps)), so later steps, weights and the OFSD round part by ~lr
+    # (the float64 test above holds the exactness claim for them). Here the unit of error is this CPU's
+    # own: how far 1 float32 process lies from the float64 result; summing over 2 ranks in another
+    # order may err as much again, a lost or doubled trajectory's share is ~1/12 of the gradient.
+    exact, one, two = steps["one_f64"], steps["one"], steps["two"]
+    assert one["steps"][0]["tokens"] == two["steps"][0]["tokens"]
+    g64, g1, g2 = flat(exact["grads"][0]), flat(one["grads"][0]), flat(two["grads"][0])
+    assert (g2 - g64).norm() <= 4 * (g1 - g64).norm() + 1e-7 * g64.norm()
+    l64, l1, l2 = (x["steps"][0]["loss"] for x in (exact, one, two))
+    assert abs(l2 - l64) <= 4 * abs(l1 - l64) + 1e-6 * max(1.0, abs(l64))
+    assert (g1 - g64).norm() <= 1e-4 * g64.norm()  # the unit itself is float32 rounding, not a defect
 
 
 def test_two_ranks_hold_half_the_state(steps):
@@ -190,3 +207,4 @@ def test_two_rank_resume_gives_the_uninterrupted_result(two_rank_runs):
     assert max_diff(a, b) == 0
     results = [json.load(open(os.path.join(d, "checkpoint", "state.json")))["results"] for d in (full, cut)]
     assert [r["summary"] for r in results[0]] == [r["summary"] for r in results[1]]
+
