@@ -6,7 +6,8 @@ first, and only refuses or (with --overwrite=true) replaces an earlier run's own
 is written as checkpoint.tmp, then swapped in by two renames (checkpoint -> checkpoint.old,
 checkpoint.tmp -> checkpoint), so a kill at any instant leaves a whole checkpoint or
 checkpoint.old; `recover` takes whichever is there. It holds the model (Hugging Face format,
-gathered on rank 0 when sharded), the optimizer (optimizer.pt, or when sharded an optimizer/
+gathered on rank 0 when sharded; or, for a run that trains through LoRA adapters, the policy folder
+of lora.save_policy: the base's name and hash and the adapters, megabytes), the optimizer (optimizer.pt, or when sharded an optimizer/
 folder of torch.distributed.checkpoint with each rank's slices), state.json (loop position,
 results, configuration, Python RNG) and one RNG file per rank, so a resumed run continues exactly
 where the killed one stopped (on the same number of ranks).
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp
+import lora
 from model import save
 
 
@@ -34,7 +36,7 @@ def barrier():
 
 
 RUN_MARKER = "evolve-run.json"  # written first into a fresh out_dir: the directory holds a run of ours
-RUN_FILES = (RUN_MARKER, "checkpoint", "checkpoint.tmp", "checkpoint.old", "metrics.jsonl", "results.md",
+RUN_FILES = (RUN_MARKER, "adapters", "checkpoint", "checkpoint.tmp", "checkpoint.old", "metrics.jsonl", "results.md",
              "results.md.tmp", "curves.svg", "curves.svg.tmp")
 
 
@@ -102,22 +104,27 @@ def write_atomic(path, text):
     os.replace(path + ".tmp", path)
 
 
-def save_checkpoint(ckpt_dir, policy, tokenizer, optimizer, rng, gen, state, rank):
-    """Write checkpoint.tmp (the model in Hugging Face format and state.json from rank 0; the
-    optimizer, per rank when sharded; each rank's RNG state), then swap it in with two renames.
-    A kill at any instant leaves checkpoint or checkpoint.old whole. Every rank must call it."""
+def save_checkpoint(ckpt_dir, policy, tokenizer, optimizer, rng, gen, state, rank, chain=None):
+    """Write checkpoint.tmp (the model in Hugging Face format, or with `chain` the policy folder it
+    names, and state.json from rank 0; the optimizer, per rank when sharded, unless None; each
+    rank's RNG state), then swap it in with two renames. A kill at any instant leaves checkpoint or
+    checkpoint.old whole. Every rank must call it."""
     tmp = ckpt_dir + ".tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     barrier()
-    weights = fsdp.full_state_dict(policy)  # gathered on rank 0 when sharded
+    weights = fsdp.full_state_dict(policy) if chain is None else None  # gathered on rank 0 when sharded
     if rank == 0:
-        save(policy, tokenizer, os.path.join(tmp, "model"), weights)
+        if chain is None:
+            save(policy, tokenizer, os.path.join(tmp, "model"), weights)
+        else:
+            lora.save_policy(os.path.join(tmp, "model"), chain)
         py = rng.getstate()
         with open(os.path.join(tmp, "state.json"), "w") as f:
             json.dump(dict(state, py_rng=[py[0], list(py[1]), py[2]]), f)
-    fsdp.save_optimizer(policy, optimizer, os.path.join(tmp, "optimizer"))
+    if optimizer is not None:
+        fsdp.save_optimizer(policy, optimizer, os.path.join(tmp, "optimizer"))
     torch.save(dict(gen=gen.get_state(), torch=torch.get_rng_state()), os.path.join(tmp, f"rng{rank}.pt"))
     barrier()
     if rank == 0:
@@ -138,10 +145,12 @@ def recover(ckpt_dir, rank):
 
 
 def load_checkpoint(ckpt_dir, policy, optimizer, rank, rng, gen):
-    """Restore the optimizer (onto the policy as laid out now), rng, gen; returns the run state."""
+    """Restore the optimizer (onto the policy as laid out now; None: none was saved), rng, gen;
+    returns the run state."""
     with open(os.path.join(ckpt_dir, "state.json")) as f:
         state = json.load(f)
-    fsdp.load_optimizer(policy, optimizer, os.path.join(ckpt_dir, "optimizer"))
+    if optimizer is not None:
+        fsdp.load_optimizer(policy, optimizer, os.path.join(ckpt_dir, "optimizer"))
     rng_state = torch.load(os.path.join(ckpt_dir, f"rng{rank}.pt"), weights_only=True)
     gen.set_state(rng_state["gen"])
     torch.set_rng_state(rng_state["torch"])

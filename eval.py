@@ -18,7 +18,8 @@ import sys
 
 from checkpoint import write_atomic
 from fsdp import device_and_dtype
-from model import Qwen2Config, load
+import lora
+from model import Qwen2Config
 from retriever import load_index
 from rollout import SEARCH_R1_SETTINGS, exact_match, rollout
 
@@ -166,10 +167,10 @@ def main():
                     help="auto: bfloat16 on CUDA, and for a real checkpoint on a CPU with native bfloat16")
     args = ap.parse_args()
     data = {path: read_questions(path, args.limit) for path in args.data.split(",")}  # every file, first
-    width = Qwen2Config.from_json(os.path.join(args.model, "config.json")).hidden_size
+    width = Qwen2Config.from_json(os.path.join(lora.base_dir(args.model), "config.json")).hidden_size
     device, dtype = device_and_dtype(args.device, args.dtype, width)
     print(f"{args.model}: {device}, {str(dtype).removeprefix('torch.')}", file=sys.stderr)
-    model, tok = load(args.model, device, dtype)
+    model, tok = lora.load_policy(args.model, device, dtype)  # a checkpoint, or a base and its adapters
     index = load_index(args.index)
     table, everything = [], []
     for path, qs in data.items():

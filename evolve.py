@@ -39,7 +39,8 @@ import checkpoint
 from eval import curves_svg, evaluate, read_questions, summarize
 import fsdp
 import grpo
-from model import Qwen2Config, load
+import lora
+from model import Qwen2Config
 from tokenizer import Tokenizer
 import ofsd
 import toyagent
@@ -65,6 +66,12 @@ ppo_mini_batch = 8             # questions per optimizer update: questions_per_s
 group_size = 5                 # G rollouts per question                      (5)
 micro_batch = 20               # trajectories per forward/backward            (memory-bound)
 lr = 2e-4                      # GRPO AdamW learning rate                     (1e-6)
+grpo_lora_rank = 0             # 0: GRPO trains every weight; r > 0: each GRPO round trains a fresh LoRA
+                               # adapter of rank r on every linear, its KL model the policy with the
+                               # adapter off, then saves it (out_dir/adapters) and merges it; the run's
+                               # checkpoint is then the base and its adapters (lora.save_policy)
+grpo_lora_alpha = 32           # that adapter's alpha
+grpo_lora_lr = 2e-3            # that adapter's AdamW learning rate (LoRA wants ~10x full fine-tuning's)
 warmup_steps = 3               # linear warm-up of the GRPO learning rate (0.285 of the run's steps)
 kl_coef = 0.001                # KL-term coefficient (k3 estimator)           (0.001)
 entropy_coef = 0.001           # entropy bonus: loss -= entropy_coef * token-mean entropy  (0.001)
@@ -125,7 +132,7 @@ def main():
     globals().update(parse_overrides(sys.argv[1:]))
     config = {k: globals()[k] for k in config_keys}
     check_config(config)  # every setting, before anything is written
-    width = Qwen2Config.from_json(os.path.join(model_dir, "config.json")).hidden_size if model_dir else \
+    width = Qwen2Config.from_json(os.path.join(lora.base_dir(model_dir), "config.json")).hidden_size if model_dir else \
         toyagent.BACKBONE["hidden_size"]  # decides "auto"'s dtype on CPU (fsdp.device_and_dtype)
     rank, world_size, dev, dt = fsdp.setup(device, dtype, width)
     master = rank == 0
@@ -140,7 +147,7 @@ def main():
 
     # -----------------------------------------------------------------------------------------
     # setup: data, the policy and the KL term's model, optimizer, random state (or a checkpoint)
-    start_model = model_dir or os.path.join(world_dir, "backbone")
+    start_model = model_dir or os.path.join(world_dir, "backbone")  # a checkpoint or a policy folder (lora.py)
     if not (model_dir and index_dir and train_file and test_file):
         if master:
             toyagent.ensure(world_dir, world_seed, top_k)
@@ -148,31 +155,35 @@ def main():
     index = load_index(index_dir or os.path.join(world_dir, "index"))
     train = read_questions(train_file or os.path.join(world_dir, "train.jsonl"))
     test = read_questions(test_file or os.path.join(world_dir, "test.jsonl"), test_limit)
-    tokenizer = Tokenizer(os.path.join(start_model, "tokenizer.json"))
-    check_context(config, Qwen2Config.from_json(os.path.join(start_model, "config.json")), tokenizer,
+    tokenizer = Tokenizer(os.path.join(lora.base_dir(start_model), "tokenizer.json"))
+    check_context(config, Qwen2Config.from_json(os.path.join(lora.base_dir(start_model), "config.json")), tokenizer,
                   max((q["question"] for q in train + test), key=len))
     rng = random.Random(seed)  # question order, identical on every rank
     # rollout sampling, its own stream per rank: seed * 1000 + rank keeps seeds' streams apart up to 1,000 ranks
     gen = torch.Generator(device=dev).manual_seed(seed * 1000 + rank)
-    torch.manual_seed(seed)  # LoRA initialisation
+    torch.manual_seed(seed)  # LoRA initialisation (this RNG's state is checkpointed: exact resume)
     if not resume and master:
         checkpoint.claim_run_dir(out_dir)
     checkpoint.barrier()
     # float32 weights; sharded over the ranks (fsdp.py) with compute in dt when distributed or dt is
     # not float32 (mixed precision: float32 master weights and AdamW state, bfloat16 compute)
-    policy = load(checkpoint.recover(ckpt_dir, rank) if resume else start_model, dev, torch.float32)[0]  # tokenizer above
+    policy_dir = checkpoint.recover(ckpt_dir, rank) if resume else start_model
+    policy = lora.load_policy(policy_dir, dev, torch.float32)[0]  # tokenizer above
+    # a LoRA run's policy is its base and the adapters merged into it, in order (lora.save_policy)
+    chain = lora.read_chain(policy_dir) if grpo_lora_rank else None
     if dist.is_initialized():
         fsdp.shard(policy, dt)
 
     def kl_start():
         """The KL term's model as the run starts it (kl_policy "round": the policy's copy each round)."""
-        m = load(start_model, dev, torch.float32)[0]
+        m = lora.load_policy(start_model, dev, torch.float32)[0]
         if dist.is_initialized():
             fsdp.shard(m, dt)
         return m
     kl_model = None  # loaded by the first GRPO round (a run resumed into an OFSD round needs none)
     policy.checkpoint_layers = activation_checkpointing
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
+    # full fine-tuning's AdamW, its moments kept across rounds; a LoRA run makes one per round instead
+    optimizer = None if grpo_lora_rank else torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
     if resume:
         state = checkpoint.load_checkpoint(ckpt_dir, policy, optimizer, rank, rng, gen)
         if master:  # the rows a killed round wrote after its last checkpoint go; they are redone
@@ -205,26 +216,38 @@ def main():
         kind, it = schedule[r]
         t0, row = time.time(), dict(round=r, after=kind, iteration=it)
         if kind == "grpo":
-            if kl_model is None:  # an OFSD round before this one let it go
-                kl_model = kl_start()
-            if kl_policy == "round":
-                fsdp.copy_weights(kl_model, policy)
+            if grpo_lora_rank:  # a fresh adapter; the KL term's model is the policy with it off (None)
+                adapter = lora.attach(policy, grpo_lora_rank, grpo_lora_alpha)
+                fsdp.broadcast(adapter)
+                round_optimizer = torch.optim.AdamW(adapter, lr=grpo_lora_lr, weight_decay=0.0)
+            else:
+                if kl_model is None:  # an OFSD round before this one let it go
+                    kl_model = kl_start()
+                if kl_policy == "round":
+                    fsdp.copy_weights(kl_model, policy)
+                round_optimizer = optimizer
             grpo.grpo_round(
-                policy, kl_model, optimizer, tokenizer, index, lambda: sample_questions(questions_per_step),
-                steps=grpo_steps, first_step=state["step"], lr=lr, warmup_steps=warmup_steps,
+                policy, kl_model, round_optimizer, tokenizer, index, lambda: sample_questions(questions_per_step),
+                steps=grpo_steps, first_step=state["step"], lr=grpo_lora_lr if grpo_lora_rank else lr,
+                warmup_steps=warmup_steps,
                 group_size=group_size, ppo_updates=ppo_updates,
                 micro_batch=micro_batch, clip_ratio=clip_ratio, kl_coef=kl_coef, entropy_coef=entropy_coef,
                 max_grad_norm=max_grad_norm, rollout_args=rollout_args, generator=gen,
                 log=lambda m: record(dict(kind="grpo_step", iteration=it, **m,  # what each rank holds:
-                                          state_bytes=fsdp.state_bytes(policy, optimizer, kl_model)), grpo_line(m, it)))
+                                          state_bytes=fsdp.state_bytes(policy, round_optimizer, kl_model)),
+                                 grpo_line(m, it)))
             state["step"] += grpo_steps
+            if grpo_lora_rank:  # saved in PEFT's format, merged: the next round starts from the merged policy
+                chain["adapters"].append(os.path.join(out_dir, "adapters", f"{r:02d}-grpo"))
+                lora.merge_trained(policy, adapter, chain["adapters"][-1])
         elif kind == "ofsd":
             # the round needs neither the KL model nor GRPO's gradients and AdamW moments: they go for
             # its length (for the real 0.5B, 8 GB of float32); the moments to a file and back, the KL
             # model comes again at the next GRPO round
             kl_model = None
             parked = os.path.join(ckpt_dir, f"parked-optimizer{rank}.pt")  # goes with this checkpoint
-            fsdp.park(optimizer, parked)
+            if optimizer is not None:
+                fsdp.park(optimizer, parked)
             record(None, f"ofsd | it {it} | mining {ofsd_questions} questions x {group_size}")
             m = ofsd.ofsd_round(
                 policy, tokenizer, index, sample_questions(ofsd_questions), group_size=group_size,
@@ -234,8 +257,12 @@ def main():
                 max_grad_norm=max_grad_norm, kl_chunk=kl_chunk,
                 lora_seed=seed * 7919 + r,  # per seed and round; the prime keeps (seed, round) pairs apart
                 log=lambda epoch, n, loss: record(
-                    None, f"ofsd | it {it} | epoch {epoch} | step {n:4d} | loss {loss:.5f}"))
-            fsdp.unpark(optimizer, parked)
+                    None, f"ofsd | it {it} | epoch {epoch} | step {n:4d} | loss {loss:.5f}"),
+                adapter_dir=os.path.join(out_dir, "adapters", f"{r:02d}-ofsd") if chain else None)
+            if chain and m["losses"]:  # a round that mined no pair trained no adapter
+                chain["adapters"].append(os.path.join(out_dir, "adapters", f"{r:02d}-ofsd"))
+            if optimizer is not None:
+                fsdp.unpark(optimizer, parked)
             row.update({k: v for k, v in m.items() if k != "losses"})  # counts, KL, diagnostics
             record(dict(kind="ofsd_round", **row, losses=m["losses"]), ofsd_line(row, m))
         with fsdp.gathered(policy):  # each rank its share of the test questions, weights gathered once
@@ -247,7 +274,10 @@ def main():
         if master:
             checkpoint.write_atomic(os.path.join(out_dir, "curves.svg"), curves_svg({out_dir: [state["results"]]}))
         state["done"] = r + 1
-        checkpoint.save_checkpoint(ckpt_dir, policy, tokenizer, optimizer, rng, gen, dict(state, config=config), rank)
+        if chain and master:  # the base's hash once, on the first checkpoint
+            chain["base_sha256"] = chain["base_sha256"] or lora.weights_sha256(chain["base"])
+        checkpoint.save_checkpoint(ckpt_dir, policy, tokenizer, optimizer, rng, gen, dict(state, config=config), rank,
+                                   chain)
         fsdp.trim_host_memory()  # the checkpoint's serialized copies (gigabytes for a real model)
 
     if master:
@@ -305,11 +335,11 @@ def settings_help():
     return "\n".join(lines)
 
 
-POSITIVE = ("grpo_steps", "questions_per_step", "ppo_mini_batch", "micro_batch", "warmup_steps", "max_turn_tokens",
+POSITIVE = ("grpo_lora_alpha", "grpo_lora_lr", "grpo_steps", "questions_per_step", "ppo_mini_batch", "micro_batch", "warmup_steps", "max_turn_tokens",
             "max_obs_tokens", "top_k", "ofsd_questions", "lora_rank", "lora_epochs", "ofsd_micro_batch",
             "eval_batch", "kl_chunk", "lr", "lora_lr", "lora_alpha", "clip_ratio", "max_grad_norm",
             "temperature", "tau_clip", "search_workers")
-NOT_NEGATIVE = ("iterations", "max_turns", "test_limit", "kl_coef", "entropy_coef", "seed", "world_seed",
+NOT_NEGATIVE = ("grpo_lora_rank", "iterations", "max_turns", "test_limit", "kl_coef", "entropy_coef", "seed", "world_seed",
                 "rollout_rows")
 CHOICES = dict(kl_policy=("round", "initial"), ofsd_students=("any", "incorrect"), ofsd_clip=CLIPS,
                ofsd_context=ofsd.CONTEXTS, ofsd_positions=ofsd.POSITIONS, dtype=("auto", "float32", "bfloat16"))
@@ -330,6 +360,10 @@ def check_config(cfg):
     if cfg["ppo_mini_batch"] > cfg["questions_per_step"]:
         bad.append(f"--ppo_mini_batch={cfg['ppo_mini_batch']}: must be at most --questions_per_step="
                    f"{cfg['questions_per_step']}")
+    if cfg["grpo_lora_rank"] and cfg["kl_policy"] == "initial" and cfg["iterations"] > 1:
+        bad.append(f"--kl_policy=initial with --grpo_lora_rank={cfg['grpo_lora_rank']}: a LoRA round's KL model is "
+                   "the policy with its adapter off, the round's own start; after the first round's merge the "
+                   "initial model is gone (use --kl_policy=round, or --iterations=1)")
     if not 0 < cfg["top_p"] <= 1:
         bad.append(f"--top_p={cfg['top_p']}: must be in (0, 1]")
     if not (cfg["device"] in ("auto", "cpu", "cuda") or cfg["device"].startswith("cuda:")):

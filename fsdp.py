@@ -201,15 +201,36 @@ def unpark(optimizer, path):
 
 
 def state_bytes(model, optimizer, reference):
-    """Bytes of parameters, gradients, optimizer state and the KL term's model held by each rank:
-    a list with one dict per rank (collective: every rank must call it)."""
+    """Bytes of parameters, gradients, optimizer state and the KL term's model (None: the policy with
+    its adapter off, nothing more) held by each rank: a list with one dict per rank (collective)."""
     def size(ts):
         return sum(local(t).numel() * local(t).element_size() for t in ts if t is not None)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     mine = dict(params=size(params), grads=size(p.grad for p in params),
                 optimizer=size(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)),
-                reference=size(reference.parameters()))
+                reference=size(reference.parameters()) if reference is not None else 0)
     return all_ranks([mine])
+
+
+def rank():
+    """This process's rank (0 without torch.distributed)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def broadcast(tensors):
+    """Rank 0's values for every rank (a LoRA adapter attached after sharding is replicated, not sharded)."""
+    if dist.is_initialized():
+        for t in tensors:
+            dist.broadcast(t.data, 0)
+
+
+def sum_replicated_grads(params):
+    """Sum over ranks the gradients FSDP does not reduce: those of parameters it does not shard (a
+    LoRA adapter attached after sharding), so every rank's copy takes the same step."""
+    if dist.is_initialized():
+        for p in params:
+            if p.grad is not None and not isinstance(p.grad, DTensor):
+                dist.all_reduce(p.grad)
 
 
 def all_ranks(items):

@@ -30,6 +30,7 @@ dynamic sampling and length penalties.
     python grpo.py "the Eiffel Tower" "Eiffel Tower" "tower"      # EM of a prediction vs golds
 """
 
+import contextlib
 import sys
 import time
 from dataclasses import replace
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import fsdp
+import lora
 from model import pad_right
 from rollout import em_rewards, rollout
 
@@ -159,7 +161,8 @@ def grpo_step(model, kl_model, optimizer, trajs, advantages, *, micro_batch, cli
     """One optimizer step on `trajs` (a PPO mini-batch): masked token-mean loss over the tokens of
     every rank, accumulated over micro-batches of similar lengths. Under torch.distributed the
     model is sharded (fsdp.py), whose backward sums the ranks' gradients into each rank's slice;
-    every rank must run the same number of micro-batches."""
+    every rank must run the same number of micro-batches. kl_model None: the KL term's model is the
+    policy with its LoRA adapter off (a LoRA round's starting policy)."""
     device = model.model.embed_tokens.weight.device
     n_tokens = torch.tensor(float(sum(sum(t.loss_mask) for t in trajs)), device=device)
     if dist.is_initialized():
@@ -173,17 +176,18 @@ def grpo_step(model, kl_model, optimizer, trajs, advantages, *, micro_batch, cli
         adv = torch.tensor([advantages[i] for i in rows], dtype=torch.float32, device=device)
         adv_tok = adv[:, None].expand_as(mask)[:, 1:][mask[:, 1:]]  # (n,) each token its row's advantage
         old_tok = old[:, 1:][mask[:, 1:]]  # (n,)
-        with torch.no_grad():
-            kl_tok = token_logprobs(kl_model, ids, valid, mask, temperature, prompts=prompts)
+        with torch.no_grad(), lora.disabled(model) if kl_model is None else contextlib.nullcontext():
+            kl_tok = token_logprobs(model if kl_model is None else kl_model, ids, valid, mask, temperature, prompts=prompts)
         logp, entropy = token_logprobs(model, ids, valid, mask, temperature, entropy=True, prompts=prompts)
         loss, pg, kl, clipped = grpo_token_loss(logp, old_tok, kl_tok, adv_tok, clip_ratio, kl_coef,
                                                 entropy, entropy_coef)
         (loss.sum() / n_tokens).backward()
         sums += torch.stack([loss.sum(), pg.sum(), kl.sum(), clipped.float().sum(), entropy.sum()]).detach()
-    fsdp.reshard(kl_model)  # a sharded root keeps its gathered weights after a no-grad forward: free them
+    fsdp.reshard(model if kl_model is None else kl_model)  # a sharded root keeps its gathered weights after a no-grad forward
     if dist.is_initialized():
         dist.all_reduce(sums)
     params = [p for g in optimizer.param_groups for p in g["params"]]
+    fsdp.sum_replicated_grads(params)  # an adapter's gradients (FSDP sums the sharded weights' own)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)  # the global norm, over every slice
     optimizer.step()
     sums /= n_tokens

@@ -7,12 +7,19 @@ that. `merge(model)` folds W <- W + (alpha / r) B A and removes the adapter. Ada
 as safetensors with PEFT's tensor names (`base_model.model.<module>.lora_A.weight`) and an
 `adapter_config.json`, so `peft.PeftModel.from_pretrained` loads what we save.
 
+A policy trained through adapters is its base checkpoint and the ordered adapters merged into it
+(`save_policy`): a folder with policy.json (the base's path and the SHA-256 of its weights, the
+adapters in order) and a copy of each adapter, a few megabytes where the weights are gigabytes.
+`load_policy` reads either that or a plain checkpoint folder; merging the same float32 adapters
+into the same float32 base in the same order gives the same weights, bit for bit.
+
 Left out: DoRA, rsLoRA, bias training, several named adapters at once, quantized bases.
 
     python lora.py ADAPTER_DIR          # print the adapter's config and tensor shapes
 """
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -24,6 +31,9 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+import fsdp
+from model import load
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -99,6 +109,18 @@ def merge(model):
     return model
 
 
+def merge_trained(model, params, adapter_dir=None):
+    """End of a round that trained the adapter `params`: the same adapter on every rank (rank 0's),
+    saved to `adapter_dir` in PEFT's format when given, merged into the base weights, which train again."""
+    fsdp.broadcast(params)  # guard against non-deterministic kernels: rank 0's adapter for all
+    if adapter_dir is not None and fsdp.rank() == 0:
+        save_adapter(model, adapter_dir)
+    fsdp.reshard(model)  # a sharded base takes each rank's slice of the merged update
+    merge(model)
+    for p in model.parameters():
+        p.requires_grad_(True)
+
+
 def save_adapter(model, path):
     """Write adapter_model.safetensors + adapter_config.json in PEFT's format (temp folder, rename)."""
     mods = _wrapped(model)
@@ -150,6 +172,78 @@ def load_adapter(model, path):
                                  f"expected {tuple(params[k].shape)}")
             params[k].copy_(t)
     return model
+
+
+POLICY_FILE = "policy.json"  # a policy folder: a base checkpoint and the adapters merged into it
+
+
+def weights_sha256(model_dir):
+    """SHA-256 over a checkpoint's weight files (*.safetensors, in name order): the base's identity."""
+    h = hashlib.sha256()
+    for name in sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors")):
+        with open(os.path.join(model_dir, name), "rb") as f:
+            while block := f.read(1 << 24):
+                h.update(block)
+    return h.hexdigest()
+
+
+def read_chain(path):
+    """A policy folder as {"base", "base_sha256", "adapters": [absolute adapter dirs, in merge order]};
+    a plain checkpoint folder is its own base with no adapters (its hash taken when first needed: None)."""
+    file = os.path.join(path, POLICY_FILE)
+    if not os.path.isfile(file):
+        return dict(base=os.path.abspath(path), base_sha256=None, adapters=[])
+    with open(file) as f:
+        cfg = json.load(f)
+    if not {"base", "base_sha256", "adapters"} <= set(cfg):
+        raise ValueError(f"{file}: needs base, base_sha256 and adapters")
+    return dict(base=os.path.expanduser(cfg["base"]), base_sha256=cfg["base_sha256"],
+                adapters=[os.path.join(path, a) for a in cfg["adapters"]])
+
+
+def base_dir(path):
+    """The folder holding the weights' config.json and tokenizer.json: a policy folder's base, else `path`."""
+    return read_chain(path)["base"]
+
+
+def save_policy(path, chain, base_name=None):
+    """Write `chain` (read_chain's form) as a policy folder at `path`: policy.json and a copy of each
+    adapter as adapters/NN-name (temporary folder, then rename). base_name: the base as policy.json
+    names it (default: its path), e.g. "~/.cache/qwen2.5-coder-0.5b-instruct" for a committed policy."""
+    sha = chain["base_sha256"] or weights_sha256(chain["base"])
+    tmp = path.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(os.path.join(tmp, "adapters"))
+    names = []
+    for i, src in enumerate(chain["adapters"]):
+        names.append(os.path.join("adapters", f"{i:02d}-{os.path.basename(src.rstrip('/')).split('-', 1)[-1]}"))
+        shutil.copytree(src, os.path.join(tmp, names[-1]))
+    with open(os.path.join(tmp, POLICY_FILE), "w") as f:
+        json.dump(dict(base=base_name or chain["base"], base_sha256=sha, adapters=names), f, indent=2)
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    return dict(chain, base_sha256=sha)
+
+
+def load_policy(path, device="cpu", dtype=torch.float32):
+    """(model, tokenizer) from a checkpoint folder or a policy folder: the base in float32, each
+    adapter merged in order (float32), then cast to `dtype`. A base whose weights are not the
+    ones policy.json names is refused."""
+    chain = read_chain(path)
+    if not chain["adapters"] and chain["base_sha256"] is None:
+        return load(path, device, dtype)
+    if not os.path.isdir(chain["base"]):
+        raise FileNotFoundError(f"{os.path.join(path, POLICY_FILE)}: base checkpoint {chain['base']} not found")
+    if weights_sha256(chain["base"]) != chain["base_sha256"]:
+        raise ValueError(f"{os.path.join(path, POLICY_FILE)}: the weights in {chain['base']} are not the base it "
+                         f"was trained from (SHA-256 {chain['base_sha256'][:12]}...)")
+    model, tokenizer = load(chain["base"], device, torch.float32)
+    for adapter in chain["adapters"]:
+        merge(load_adapter(model, adapter))
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return model.to(dtype), tokenizer
 
 
 if __name__ == "__main__":

@@ -52,7 +52,6 @@ from collections import Counter
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import fsdp
@@ -232,12 +231,12 @@ def _gather_hidden(model, seqs, positions):
 
 def ofsd_round(policy, tokenizer, index, questions, *, group_size, rollout_args, generator, ofsd_students, lora_rank,
                lora_alpha, lora_lr, lora_epochs, ofsd_micro_batch, tau_clip, ofsd_clip, ofsd_context, ofsd_positions,
-               max_grad_norm, kl_chunk, lora_seed, log):
+               max_grad_norm, kl_chunk, lora_seed, log, adapter_dir=None):
     """One OFSD round: G rollouts of the current policy per question, EM rewards, one mined pair per
     question (all ranks' pairs, when distributed), then `distill`. ofsd_students="incorrect" keeps only
     the pairs whose student is incorrect ("any": the paper's rule); ofsd_context is what the teacher
-    sees, ofsd_positions where the loss counts; `lora_seed` seeds the adapter's initialisation and
-    the order of the pairs. Returns its metrics."""
+    sees, ofsd_positions where the loss counts; `lora_seed` seeds the order of the pairs;
+    `adapter_dir`: where the adapter is saved before its merge (None: not saved). Returns its metrics."""
     with torch.no_grad():
         trajs = rollout(policy, tokenizer, index, [q["question"] for q in questions], group_size, generator=generator,
                         **rollout_args)
@@ -249,7 +248,7 @@ def ofsd_round(policy, tokenizer, index, questions, *, group_size, rollout_args,
     metrics = distill(policy, tokenizer, mined, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_lr=lora_lr,
                       lora_epochs=lora_epochs, ofsd_micro_batch=ofsd_micro_batch, tau_clip=tau_clip,
                       ofsd_clip=ofsd_clip, ofsd_context=ofsd_context, ofsd_positions=ofsd_positions,
-                      max_grad_norm=max_grad_norm, kl_chunk=kl_chunk, seed=lora_seed, log=log)
+                      max_grad_norm=max_grad_norm, kl_chunk=kl_chunk, seed=lora_seed, log=log, adapter_dir=adapter_dir)
     if mined:  # the round's effect on its own questions, by whether the student was incorrect
         after, _ = greedy_scores(policy, tokenizer, index, mined, rollout_args)
         metrics.update(before, **split_em("mined_em_after", after, mined))
@@ -336,23 +335,23 @@ def mined_diagnostics(policy, tokenizer, index, mined, rollout_args, kl_chunk, c
 
 
 def distill(model, tokenizer, pairs, *, lora_rank, lora_alpha, lora_lr, lora_epochs, ofsd_micro_batch, tau_clip,
-            ofsd_clip, ofsd_context, ofsd_positions, max_grad_norm, kl_chunk, seed, log=None):
+            ofsd_clip, ofsd_context, ofsd_positions, max_grad_norm, kl_chunk, seed, log=None, adapter_dir=None):
     """Distill each Pair's teacher view (what ofsd_context shows) into its student view through LoRA
-    at the positions ofsd_positions names, then merge. `log(epoch, step, loss)` is called after
-    every optimizer step."""
+    at the positions ofsd_positions names, then merge (the adapter saved to `adapter_dir` first, when
+    given). `log(epoch, step, loss)` is called after every optimizer step."""
     items = pair_items(model, tokenizer, pairs, ofsd_micro_batch, ofsd_context, ofsd_positions)
     metrics = dict(pairs=len(pairs), incorrect_students=sum(p.incorrect for p in pairs), losses=[])
     if not items:
         return metrics
     params = lora.attach(model, lora_rank, lora_alpha)
-    broadcast(params)  # every rank trains the same adapter on the same pairs (it is small)
+    fsdp.broadcast(params)  # every rank trains the same adapter on the same pairs (it is small)
     before = pair_stats(model, items, tau_clip, ofsd_clip, ofsd_micro_batch, kl_chunk)
     loss = lambda m, batch: pair_loss(m, batch, tau_clip, ofsd_clip, kl_chunk)  # noqa: E731
     metrics["losses"] = fit_adapter(model, params, items, loss, lora_lr=lora_lr, lora_epochs=lora_epochs,
                                     micro_batch=ofsd_micro_batch, max_grad_norm=max_grad_norm, seed=seed, log=log)
     after = pair_stats(model, items, tau_clip, ofsd_clip, ofsd_micro_batch, kl_chunk)
     metrics.update({f"{k}_{when}": v for when, d in (("before", before), ("after", after)) for k, v in d.items()})
-    merge_adapter(model, params)
+    lora.merge_trained(model, params, adapter_dir)
     return metrics
 
 
@@ -375,15 +374,6 @@ def fit_adapter(model, params, data, batch_loss, *, lora_lr, lora_epochs, micro_
             if log:
                 log(epoch, len(losses), loss.item())
     return losses
-
-
-def merge_adapter(model, params):
-    """Merge the trained adapter into the base weights, the same on every rank."""
-    broadcast(params)  # guard against non-deterministic kernels: rank 0's adapter for all
-    fsdp.reshard(model)  # a sharded base takes each rank's slice of the merged update
-    lora.merge(model)
-    for p in model.parameters():
-        p.requires_grad_(True)
 
 
 def pair_items(model, tokenizer, pairs, micro_batch, context, positions):
@@ -431,12 +421,6 @@ def pair_stats(model, items, tau_clip, ofsd_clip, ofsd_micro_batch, kl_chunk):
         for key, name in (("loss", "loss"), ("kl_true", "kl"), ("clip_frac", "clipped"), ("p_top", "p_top")):
             sums[key] += sum(x.mean().item() for x in stats[name].split(lengths)) / len(items)
     return sums
-
-
-def broadcast(tensors):
-    if dist.is_initialized():
-        for t in tensors:
-            dist.broadcast(t.data, 0)
 
 
 def pair_loss(model, batch, tau_clip, ofsd_clip, kl_chunk):

@@ -139,7 +139,7 @@ def rft(model, tokenizer, pairs, *, lora_rank, lora_alpha, lora_lr, lora_epochs,
     metrics["losses"] = ofsd.fit_adapter(model, params, data, batch_loss, lora_lr=lora_lr, lora_epochs=lora_epochs,
                                          micro_batch=ofsd_micro_batch, max_grad_norm=max_grad_norm, seed=seed, log=log)
     measure("after")
-    ofsd.merge_adapter(model, params)
+    lora.merge_trained(model, params)
     return metrics
 
 

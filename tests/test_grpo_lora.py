@@ -1,0 +1,138 @@
+"""GRPO through a LoRA adapter (evolve.py --grpo_lora_rank) and a policy as its base and adapters (lora.py)."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import grpo
+import lora
+from conftest import AGENT_QUESTION
+from model import save
+from test_rollout import run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def lora_step(agent, tokenizer, search_index, seed=0):
+    """(the policy after one LoRA GRPO step with the adapter still attached, the adapter, the trajectories)."""
+    trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION, "Ada"], G=3, temperature=1.0,
+                generator=torch.Generator().manual_seed(seed))
+    policy = copy.deepcopy(agent)
+    torch.manual_seed(seed)
+    adapter = lora.attach(policy, 4, 8)
+    opt = torch.optim.AdamW(adapter, lr=1e-2, weight_decay=0.0)
+    m = grpo.grpo_step(policy, None, opt, trajs, [1.0, -1.0, 0.5, 0.0, 2.0, -0.5], micro_batch=4, clip_ratio=0.2,
+                       kl_coef=0.1, entropy_coef=0.0, temperature=1.0, max_grad_norm=1.0, pad_id=0)
+    assert m["tokens"] > 0
+    return policy, adapter, trajs
+
+
+def test_lora_step_leaves_the_base_untouched(agent, tokenizer, search_index):
+    """A LoRA GRPO step changes the adapter only: every base weight is bit for bit the round's start."""
+    policy, adapter, _ = lora_step(agent, tokenizer, search_index)
+    assert all(p.grad is not None for p in adapter) and max(m.lora_B.weight.abs().max() for _, m in lora._wrapped(policy)) > 0
+    start = dict(agent.named_parameters())
+    for name, p in policy.named_parameters():
+        if "lora_" not in name:
+            assert torch.equal(p, start[name.replace(".base.", ".")]), name
+
+
+def test_kl_reference_with_the_adapter_off_is_the_round_start(agent, tokenizer, search_index):
+    """The KL term's model of a LoRA step (the policy, adapter off) gives the log-probs of a separate copy of the
+    round's starting policy, while the adapted policy has moved."""
+    policy, _, trajs = lora_step(agent, tokenizer, search_index)
+    ids, valid, mask, _ = grpo.pad_batch(trajs, 0, "cpu")
+    with torch.no_grad(), lora.disabled(policy):
+        off = grpo.token_logprobs(policy, ids, valid, mask, 1.0)
+    with torch.no_grad():
+        start, moved = (grpo.token_logprobs(m, ids, valid, mask, 1.0) for m in (copy.deepcopy(agent), policy))
+    assert torch.equal(off, start)
+    assert (moved - start).abs().max() > 1e-3
+
+
+def test_base_and_chain_reloaded_give_the_policy(agent, tokenizer, search_index, tmp_path):
+    """Base + ordered adapters written by save_policy and read by load_policy give the in-memory merged policy's
+    logits (two adapters merged in turn), and a base with other weights is refused."""
+    base = str(tmp_path / "base")
+    save(agent, tokenizer, base)
+    policy, adapter, trajs = lora_step(agent, tokenizer, search_index)
+    lora.merge_trained(policy, adapter, str(tmp_path / "a" / "01-grpo"))
+    second = lora.attach(policy, 2, 4)
+    with torch.no_grad():
+        for p in second:
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    lora.merge_trained(policy, second, str(tmp_path / "a" / "02-ofsd"))
+    chain = dict(base=base, base_sha256=None, adapters=[str(tmp_path / "a" / n) for n in ("01-grpo", "02-ofsd")])
+    lora.save_policy(str(tmp_path / "policy"), chain)
+    assert json.load(open(tmp_path / "policy" / "policy.json"))["adapters"] == ["adapters/00-grpo", "adapters/01-ofsd"]
+    reloaded, _ = lora.load_policy(str(tmp_path / "policy"))
+    ids, valid, _, _ = grpo.pad_batch(trajs, 0, "cpu")
+    with torch.no_grad():
+        assert torch.allclose(reloaded(ids, valid=valid), policy(ids, valid=valid), atol=1e-5, rtol=0)
+    with torch.no_grad():
+        agent_copy = copy.deepcopy(agent)
+        agent_copy.lm_head.weight.add_(1e-3)
+    save(agent_copy, tokenizer, base)
+    with pytest.raises(ValueError, match="not the base it was trained from"):
+        lora.load_policy(str(tmp_path / "policy"))
+
+
+def evolve(args):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "evolve.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+@pytest.fixture(scope="module")
+def lora_runs(micro, tmp_path_factory):
+    """(a LoRA run of 2 iterations, the same run stopped after 1 and resumed to 2): out_dirs."""
+    d = tmp_path_factory.mktemp("lora_runs")
+    args = [*micro, "--grpo_lora_rank=4", "--grpo_lora_lr=1e-3"]
+    full, cut = str(d / "full"), str(d / "cut")
+    evolve(args + ["--iterations=2", f"--out_dir={full}"])
+    evolve(args + ["--iterations=1", f"--out_dir={cut}"])
+    assert "resumed from" in evolve(args + ["--iterations=2", f"--out_dir={cut}", "--resume"]).stdout
+    return full, cut
+
+
+def test_lora_run_saves_its_adapters_and_a_policy_folder(lora_runs, micro):
+    """A LoRA run saves each round's adapter in PEFT's format and checkpoints its policy as base + adapters."""
+    full, _ = lora_runs
+    names = sorted(os.listdir(os.path.join(full, "adapters")))
+    trained = [json.loads(line)["round"] for line in open(os.path.join(full, "metrics.jsonl"))
+               if json.loads(line)["kind"] == "ofsd_round" and json.loads(line)["losses"]]  # rounds that mined pairs
+    assert names == sorted(["01-grpo", "03-grpo"] + [f"{r:02d}-ofsd" for r in trained])
+    cfg = json.load(open(os.path.join(full, "adapters", names[0], "adapter_config.json")))
+    assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and len(cfg["target_modules"]) == 7
+    model_dir = os.path.join(full, "checkpoint", "model")
+    chain = json.load(open(os.path.join(model_dir, "policy.json")))
+    assert chain["base"] == micro[0].split("=", 1)[1] and len(chain["adapters"]) == len(names)
+    assert not os.path.exists(os.path.join(model_dir, "model.safetensors"))  # megabytes, not the weights
+    assert not os.path.exists(os.path.join(full, "checkpoint", "optimizer.pt"))  # each round's AdamW is its own
+
+
+def test_lora_run_resumes_exactly(lora_runs):
+    """A LoRA run stopped after one iteration and resumed gives the uninterrupted run's adapters and table."""
+    full, cut = lora_runs
+    for name in sorted(os.listdir(os.path.join(full, "adapters"))):
+        a, b = (load_file(os.path.join(d, "adapters", name, "adapter_model.safetensors")) for d in (full, cut))
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+    results = [json.load(open(os.path.join(d, "checkpoint", "state.json")))["results"] for d in (full, cut)]
+    assert [r["summary"] for r in results[0]] == [r["summary"] for r in results[1]]
+
+
+def test_initial_kl_model_after_a_merge_is_refused(micro, tmp_path):
+    """--kl_policy=initial with LoRA GRPO over several iterations is refused before anything is written."""
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "evolve.py", *micro, "--grpo_lora_rank=4", "--kl_policy=initial",
+                        "--iterations=2", f"--out_dir={out}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and not out.exists()
+    assert "--kl_policy=initial with --grpo_lora_rank=4" in p.stderr
