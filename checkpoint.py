@@ -136,6 +136,23 @@ def save_checkpoint(ckpt_dir, policy, tokenizer, optimizer, rng, gen, state, ran
     barrier()
 
 
+def fork_run(src, dst, config):
+    """Copy the run in `src` to `dst` with `config`'s settings written into its checkpoint's
+    configuration, so that `evolve.py --resume` continues it as that variant: the run the variant
+    makes from scratch, as long as nothing before src's checkpoint reads the changed settings (an
+    ablation forks a GRPO-only first round into OFSD variants: no OFSD setting is read before the
+    first OFSD round, and a resume restores every random state)."""
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    if os.path.exists(os.path.join(dst, "results.md")):
+        os.remove(os.path.join(dst, "results.md"))  # written when the variant's run ends
+    state_file = os.path.join(dst, "checkpoint", "state.json")
+    with open(state_file) as f:
+        state = json.load(f)
+    state["config"].update(config)
+    write_atomic(state_file, json.dumps(state))
+
+
 def recover(ckpt_dir, rank):
     """The last checkpoint's model folder, after finishing a swap a kill interrupted."""
     if rank == 0 and not os.path.exists(ckpt_dir) and os.path.exists(ckpt_dir + ".old"):

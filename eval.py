@@ -8,20 +8,39 @@ gold answers, full trajectory text, answer, EM, searches) go to --out.
 
 Left out: sampling-based metrics (pass@k), LLM-as-judge or F1 scoring.
 
-    python eval.py --model DIR --index DIR --data nq_test.jsonl,hotpotqa_dev.jsonl [--limit N] [--show 2]
+    python eval.py --model_dir=DIR --index_dir=DIR --data=nq_test.jsonl,hotpotqa_dev.jsonl [--limit=N] [--show=2]
 """
 
-import argparse
 import json
 import os
 import sys
 
+import configurator
 from checkpoint import write_atomic
 from fsdp import device_and_dtype
 import lora
 from model import Qwen2Config
 from retriever import load_index
 from rollout import SEARCH_R1_SETTINGS, exact_match, rollout
+
+# ---------------------------------------------------------------------------------------------
+# settings of `python eval.py`, overridable as --key=value (configurator.py; --help lists them)
+model_dir = ""                 # a checkpoint folder, or a policy folder (a base and its adapters, lora.py)
+index_dir = ""                 # the BM25 index (index_build.py)
+data = ""                      # comma-separated FlashRAG .jsonl question files
+limit = 0                      # the first N questions of each file; 0 = all
+show = 0                       # print this many trajectories per file
+out_file = "eval_results.jsonl"  # per-question results, JSON lines
+batch = 160                    # questions decoded at once: a greedy batch lasts as long as its longest row,
+                               # so few large batches; memory grows with it (docs/benchmarks.md)
+max_turns = SEARCH_R1_SETTINGS["max_turns"]              # searching turns before the answer-only turn
+max_turn_tokens = SEARCH_R1_SETTINGS["max_turn_tokens"]  # per-turn response cap
+max_obs_tokens = SEARCH_R1_SETTINGS["max_obs_tokens"]    # observation cap
+top_k = SEARCH_R1_SETTINGS["top_k"]                      # documents per search
+device = "auto"                # auto (CUDA when there is one), cpu, cuda, cuda:N
+dtype = "auto"                 # auto: bfloat16 on CUDA, and for a real checkpoint on a CPU with native bfloat16
+# ---------------------------------------------------------------------------------------------
+DEFAULTS = configurator.settings(globals())
 
 
 def evaluate(model, tokenizer, index, questions, *, batch, max_turns, max_turn_tokens, max_obs_tokens, top_k,
@@ -149,47 +168,38 @@ def read_questions(path, limit=0):
 
 
 def main():
-    ap = argparse.ArgumentParser(description="exact-match evaluation with greedy search rollouts")
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--index", required=True)
-    ap.add_argument("--data", required=True, help="comma-separated FlashRAG .jsonl files")
-    ap.add_argument("--limit", type=int, default=0)
-    ap.add_argument("--show", type=int, default=0, help="print this many trajectories per file")
-    ap.add_argument("--out", default="eval_results.jsonl")
-    ap.add_argument("--batch", type=int, default=160,
-                    help="questions decoded at once: a greedy batch lasts as long as its longest row, so few large "
-                         "batches; memory grows with it (the 0.5B's peak: docs/benchmarks.md), so lower it on a "
-                         "smaller machine")
-    for key, value in SEARCH_R1_SETTINGS.items():  # the anchor's protocol settings by default
-        ap.add_argument("--" + key.replace("_", "-"), type=int, default=value)
-    ap.add_argument("--device", default="auto", help="auto (CUDA when there is one), cpu, cuda, cuda:N")
-    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                    help="auto: bfloat16 on CUDA, and for a real checkpoint on a CPU with native bfloat16")
-    args = ap.parse_args()
-    data = {path: read_questions(path, args.limit) for path in args.data.split(",")}  # every file, first
-    width = Qwen2Config.from_json(os.path.join(lora.base_dir(args.model), "config.json")).hidden_size
-    device, dtype = device_and_dtype(args.device, args.dtype, width)
-    print(f"{args.model}: {device}, {str(dtype).removeprefix('torch.')}", file=sys.stderr)
-    model, tok = lora.load_policy(args.model, device, dtype)  # a checkpoint, or a base and its adapters
-    index = load_index(args.index)
+    cfg = dict(DEFAULTS, **configurator.parse(sys.argv[1:], DEFAULTS, __file__, __doc__))
+    files = [f for f in cfg["data"].split(",") if f]
+    bad = [f"--{k}: required" for k in ("model_dir", "index_dir", "data") if not cfg[k]]
+    bad += configurator.check(cfg, positive=("batch", "max_turn_tokens", "max_obs_tokens", "top_k"),
+                              not_negative=("limit", "show", "max_turns"),
+                              choices=dict(dtype=("auto", "float32", "bfloat16")), dirs=("model_dir", "index_dir"))
+    bad += [f"--data={f}: no such file, or empty" for f in files if not (os.path.isfile(f) and os.path.getsize(f) > 0)]
+    configurator.refuse(bad)
+    data = {path: read_questions(path, cfg["limit"]) for path in files}  # every file, first
+    width = Qwen2Config.from_json(os.path.join(lora.base_dir(cfg["model_dir"]), "config.json")).hidden_size
+    device, dtype = device_and_dtype(cfg["device"], cfg["dtype"], width)
+    print(f"{cfg['model_dir']}: {device}, {str(dtype).removeprefix('torch.')}", file=sys.stderr)
+    model, tok = lora.load_policy(cfg["model_dir"], device, dtype)  # a checkpoint, or a base and its adapters
+    index = load_index(cfg["index_dir"])
     table, everything = [], []
     for path, qs in data.items():
-        res = evaluate(model, tok, index, qs, batch=args.batch, max_turns=args.max_turns,
-                       max_turn_tokens=args.max_turn_tokens, max_obs_tokens=args.max_obs_tokens, top_k=args.top_k)
+        res = evaluate(model, tok, index, qs, batch=cfg["batch"], max_turns=cfg["max_turns"],
+                       max_turn_tokens=cfg["max_turn_tokens"], max_obs_tokens=cfg["max_obs_tokens"], top_k=cfg["top_k"])
         name = os.path.splitext(os.path.basename(path))[0]
-        for r in res[:args.show]:
+        for r in res[:cfg["show"]]:
             print(f"\n=== {name}: {r['question']}  gold={r['golden_answers']}  EM={r['em']:.0f}\n{r['trajectory']}")
         for group, s in summarize(res, "type").items():
             table.append((name if group == "all" else f"{name}/{group}", s))
         everything += [dict(r, data=name) for r in res]
-    write_atomic(args.out, "".join(json.dumps(r) + "\n" for r in everything))
+    write_atomic(cfg["out_file"], "".join(json.dumps(r) + "\n" for r in everything))
     print("\n| data | n | EM | searches/q | format |\n|---|---|---|---|---|")
     for name, s in table:
         print(f"| {name} | {s['n']} | {s['em']:.3f} | {s['searches']:.2f} | {s['format']:.2f} |")
     sets = [s for name, s in table if "/" not in name]
     print(f"| average | {sum(s['n'] for s in sets)} | {sum(s['em'] for s in sets) / len(sets):.3f} | "
           f"{sum(s['searches'] for s in sets) / len(sets):.2f} | {sum(s['format'] for s in sets) / len(sets):.2f} |")
-    print(f"per-question results: {args.out}", file=sys.stderr)
+    print(f"per-question results: {cfg['out_file']}", file=sys.stderr)
 
 
 if __name__ == "__main__":

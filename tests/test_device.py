@@ -60,18 +60,18 @@ def test_eval_uses_the_auto_dtype(monkeypatch, tiny_checkpoint, search_index, tm
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(fsdp, "cpu_has_native_bf16", lambda: True)
     monkeypatch.setattr(fsdp, "BF16_MIN_HIDDEN", 64)  # the tiny checkpoint's width counts as real here
-    loaded, real_load = [], evaluation.load
+    loaded, real_load = [], evaluation.lora.load_policy
 
     def load(path, device, dtype):
         loaded.append((device, dtype))
         return real_load(path, device, dtype)
 
-    monkeypatch.setattr(evaluation, "load", load)
+    monkeypatch.setattr(evaluation.lora, "load_policy", load)
     data = tmp_path / "q.jsonl"
     data.write_text('{"question": "which river flows through Paris", "golden_answers": ["Seine"]}\n')
     index_dir = search_index.doc_offsets.filename.rsplit("/", 1)[0]
-    monkeypatch.setattr(sys, "argv", ["eval.py", "--model", tiny_checkpoint, "--index", index_dir, "--data",
-                                      str(data), "--out", str(tmp_path / "out.jsonl"), "--max-turns", "1",
-                                      "--max-turn-tokens", "4", "--max-obs-tokens", "8"])
+    monkeypatch.setattr(sys, "argv", ["eval.py", f"--model_dir={tiny_checkpoint}", f"--index_dir={index_dir}",
+                                      f"--data={data}", f"--out_file={tmp_path / 'out.jsonl'}", "--max_turns=1",
+                                      "--max_turn_tokens=4", "--max_obs_tokens=8"])
     evaluation.main()
     assert loaded == [("cpu", torch.bfloat16)]

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import checkpoint
 from model import load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -204,15 +205,13 @@ def test_kl_model_is_refreshed_each_round(micro, killed_and_resumed, tmp_path):
     assert first[0]["kl"] == 0.0 and first[1]["kl"] > 0
 
 
-def test_ablation_fork_is_the_run_from_scratch(micro, killed_and_resumed, tmp_path):
-    """bench_ablation's fork: the GRPO-only first round, copied and resumed as an OFSD variant, writes
-    the records and weights of that variant's run from scratch."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import bench_ablation
+def test_forked_run_is_the_run_from_scratch(micro, killed_and_resumed, tmp_path):
+    """checkpoint.fork_run (the ablations' fork): the GRPO-only first round, copied and resumed as an
+    OFSD variant, writes the records and weights of that variant's run from scratch."""
     full, _ = killed_and_resumed  # micro, 2 iterations, the default OFSD settings
     first, forked = str(tmp_path / "first"), str(tmp_path / "forked")
     assert evolve(micro + ["--ofsd_rounds=false", "--iterations=1", f"--out_dir={first}"]).returncode == 0
-    bench_ablation.fork(first, forked, micro)
+    checkpoint.fork_run(first, forked, dict(ofsd_rounds=True))
     p = evolve(micro + ["--iterations=2", f"--out_dir={forked}", "--resume"])
     assert p.returncode == 0, p.stderr[-3000:]
 

@@ -160,3 +160,41 @@ def test_shared_prompt_equals_each_row_alone(agent, tokenizer, search_index, rec
     assert (out[0][0] - out[1][0]).abs().max() <= 1e-12 and (out[0][1] - out[1][1]).abs().max() <= 1e-12
     for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
         assert (a.grad - b.grad).abs().max() <= 1e-12 * max(1.0, a.grad.abs().max()), (name, (a.grad - b.grad).abs().max().item())
+
+
+def test_clip_indicator_between_the_two_thresholds():
+    """A ratio of 1.3 or 0.75 is clipped at clip_ratio 0.2 and not at 0.4; 1.1 and 1.0 at neither."""
+    logp = torch.zeros(4)
+    old = -torch.log(torch.tensor([1.3, 0.75, 1.1, 1.0]))  # rho = exp(logp - old)
+    adv = torch.ones(4)
+    assert grpo.grpo_token_loss(logp, old, logp, adv, 0.2, 0.0)[3].tolist() == [True, True, False, False]
+    assert grpo.grpo_token_loss(logp, old, logp, adv, 0.4, 0.0)[3].tolist() == [False] * 4
+
+
+def test_micro_batched_step_is_one_float64_pass(agent, tokenizer, search_index):
+    """grpo_step in micro-batches of 2 gives, in float64, the loss and every parameter gradient of the
+    masked token-mean loss over the whole batch written out in one pass (each trajectory counted once)."""
+    trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION, "Ada", "who founded Tokyo"], G=2, temperature=1.0,
+                generator=torch.Generator().manual_seed(6))
+    adv = [1.0, -1.0, 0.5, -0.5, 2.0, -2.0]
+    policy, kl_model = copy.deepcopy(agent).double(), copy.deepcopy(agent).double()
+    with torch.no_grad():
+        for p in kl_model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1), dtype=p.dtype))
+    ref = copy.deepcopy(policy)
+    ids, valid, mask, old = grpo.pad_batch(trajs, 0, "cpu")
+    pred = mask[:, 1:]
+    logp_all = torch.log_softmax(ref(ids, valid=valid)[:, :-1], -1)  # (B, T-1, V)
+    logp = logp_all.gather(-1, ids[:, 1:, None])[..., 0][pred]  # (n,)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)[pred]
+    with torch.no_grad():
+        kl_lp = torch.log_softmax(kl_model(ids, valid=valid)[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0][pred]
+    a = torch.tensor(adv, dtype=torch.float64)[:, None].expand_as(pred)[pred]
+    want = grpo.grpo_token_loss(logp, old[:, 1:][pred].double(), kl_lp, a, 0.2, 0.1, entropy, 0.01)[0].mean()
+    want.backward()
+    opt = torch.optim.SGD(policy.parameters(), lr=0.0)
+    m = grpo.grpo_step(policy, kl_model, opt, trajs, adv, micro_batch=2, clip_ratio=0.2, kl_coef=0.1, entropy_coef=0.01,
+                       temperature=1.0, max_grad_norm=1e9, pad_id=0)
+    assert abs(m["loss"] - want.item()) <= 1e-10
+    for (name, p), q in zip(policy.named_parameters(), ref.parameters()):
+        assert (p.grad - q.grad).abs().max() <= 1e-10 * max(1.0, q.grad.abs().max()), name

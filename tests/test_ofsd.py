@@ -1,8 +1,6 @@
 """ofsd.py: pair mining rules, teacher/student conditioning, and the OFSD round on a real model."""
 
 import copy
-import os
-import sys
 
 import pytest
 import torch
@@ -11,6 +9,7 @@ import lora
 from model import pad_right
 import ofsd
 import rollout
+import teacher_gap
 from conftest import AGENT_QUESTION, random_model, tiny_config
 from test_rollout import run
 
@@ -77,17 +76,17 @@ def test_conditioning_aligns_student_tokens(agent, tokenizer, search_index):
 
 
 def test_gathered_hidden_states_predict_the_listed_positions():
-    """_gather_hidden returns the full forward's states at p - 1 in listed order; unsorted lists are refused."""
+    """gather_hidden returns the full forward's states at p - 1 in listed order; unsorted lists are refused."""
     model = random_model(tiny_config(), seed=5)
     seqs, positions = [[5, 6, 7, 8, 9], [10, 11, 12]], [[2, 4], [1, 2]]
     ids, valid = pad_right(seqs)
     with torch.no_grad():
         full = model.hidden(ids, valid=valid)  # (B, T, d)
-        got = ofsd._gather_hidden(model, seqs, positions)
+        got = ofsd.gather_hidden(model, seqs, positions)
     want = torch.stack([full[0, 1], full[0, 3], full[1, 0], full[1, 1]])
     assert (got - want).abs().max() <= 1e-5
     with pytest.raises(ValueError, match="sequence 1"):
-        ofsd._gather_hidden(model, seqs, [[2, 4], [2, 1]])
+        ofsd.gather_hidden(model, seqs, [[2, 4], [2, 1]])
 
 
 def test_teacher_pass_ignores_adapter(agent, tokenizer, search_index):
@@ -98,14 +97,14 @@ def test_teacher_pass_ignores_adapter(agent, tokenizer, search_index):
     batch = [views(tokenizer, trajs[0], trajs[1])]
     _, t_ids, _, t_pos = batch[0]
     with torch.no_grad():
-        base = ofsd._gather_hidden(model, [t_ids], [t_pos])
+        base = ofsd.gather_hidden(model, [t_ids], [t_pos])
     lora.attach(model, r=4, alpha=8)
     for _, m in lora._wrapped(model):
         torch.nn.init.normal_(m.lora_B.weight, std=0.1)
     with torch.no_grad(), lora.disabled(model):
-        assert torch.equal(ofsd._gather_hidden(model, [t_ids], [t_pos]), base)
+        assert torch.equal(ofsd.gather_hidden(model, [t_ids], [t_pos]), base)
     with torch.no_grad():
-        assert not torch.equal(ofsd._gather_hidden(model, [t_ids], [t_pos]), base)
+        assert not torch.equal(ofsd.gather_hidden(model, [t_ids], [t_pos]), base)
 
 
 def test_round_lowers_kl_and_merges(agent, tokenizer, search_index):
@@ -128,7 +127,7 @@ def test_round_lowers_kl_and_merges(agent, tokenizer, search_index):
 
     ofsd.lora.merge = spy_merge
     try:
-        out = ofsd.distill(model, tokenizer, pairs, lora_rank=4, lora_alpha=8, lora_lr=5e-3, lora_epochs=8,
+        out = ofsd.distill(model, tokenizer, pairs, ofsd_loss="kl", kl_weight=1.0, lora_rank=4, lora_alpha=8, lora_lr=5e-3, lora_epochs=8,
                            ofsd_micro_batch=2, tau_clip=1.0, ofsd_clip="vocab", ofsd_context="full",
                            ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=256, seed=0)
     finally:
@@ -141,10 +140,10 @@ def test_round_lowers_kl_and_merges(agent, tokenizer, search_index):
 
 def test_segment_of_the_open_tag():
     """A position's segment is the tag still open in the text before it."""
-    assert ofsd.segment_of("<think> a") == "think"
-    assert ofsd.segment_of("<think> a </think>\n<search> b") == "search"
-    assert ofsd.segment_of("<think> a </think>\n") == "other"
-    assert ofsd.segment_of("<search> b </search>\n\n<information>x</information><think> c </think><answer> d") == "answer"
+    assert teacher_gap.segment_of("<think> a") == "think"
+    assert teacher_gap.segment_of("<think> a </think>\n<search> b") == "search"
+    assert teacher_gap.segment_of("<think> a </think>\n") == "other"
+    assert teacher_gap.segment_of("<search> b </search>\n\n<information>x</information><think> c </think><answer> d") == "answer"
 
 
 def test_token_diagnostics_equal_a_full_forward(agent, tokenizer, search_index):
@@ -156,7 +155,7 @@ def test_token_diagnostics_equal_a_full_forward(agent, tokenizer, search_index):
         if trajs[1].n_search:
             break
     mined = [ofsd.Pair(trajs[0], trajs[1], True, ("Paris",))]
-    got = ofsd.token_diagnostics(agent, tokenizer, mined, kl_chunk=7, context="full")
+    got = teacher_gap.token_diagnostics(agent, tokenizer, mined, kl_chunk=7, context="full")
     s_ids, t_ids, s_pos, t_pos = views(tokenizer, trajs[0], trajs[1])
     with torch.no_grad():
         ls = torch.log_softmax(agent(torch.tensor([s_ids]))[0].double(), -1)[[p - 1 for p in s_pos]]  # (n, V)
@@ -164,7 +163,7 @@ def test_token_diagnostics_equal_a_full_forward(agent, tokenizer, search_index):
     terms = (lt.exp() * (lt - ls)).sum(-1)
     differ = (lt.argmax(-1) != torch.tensor([s_ids[p] for p in s_pos])).double().mean().item()
     assert abs(got["disagree"] - differ) <= 1e-9
-    seg = [ofsd.segment_of(tokenizer.decode(s_ids[trajs[1].prompt_len:p])) for p in s_pos]
+    seg = [teacher_gap.segment_of(tokenizer.decode(s_ids[trajs[1].prompt_len:p])) for p in s_pos]
     for name in ("think", "search", "answer", "other"):
         vals = [t for t, s in zip(terms.tolist(), seg) if s == name]
         assert (got[f"kl_{name}"] is None) == (not vals)
@@ -179,16 +178,19 @@ def test_token_diagnostics_equal_a_full_forward(agent, tokenizer, search_index):
 
 
 def test_round_reports_its_diagnostics(agent, tokenizer, search_index):
-    """An OFSD round reports teacher/student EM, disagreement and EM on its own questions before/after."""
+    """An OFSD round as evolve.py runs it (mine, diagnose, distil, diagnose) reports teacher/student EM,
+    disagreement and EM on its own questions before/after."""
     model = copy.deepcopy(agent)
     questions = [{"question": AGENT_QUESTION, "golden_answers": ["Paris"]},
                  {"question": "which lake is near London", "golden_answers": ["Paris"]}]
-    m = ofsd.ofsd_round(model, tokenizer, search_index, questions, group_size=4, ofsd_students="any", lora_rank=4,
-                        lora_alpha=8, lora_lr=1e-3, lora_epochs=1, ofsd_micro_batch=2, tau_clip=0.05,
-                        ofsd_clip="vocab", ofsd_context="full", ofsd_positions="policy", max_grad_norm=1.0,
-                        kl_chunk=64, lora_seed=0, log=None,
-                        rollout_args=dict(max_turns=2, max_turn_tokens=40, max_obs_tokens=400, top_k=3,
-                                          temperature=1.0, top_p=1.0), generator=torch.Generator().manual_seed(0))
+    args = dict(max_turns=2, max_turn_tokens=40, max_obs_tokens=400, top_k=3, temperature=1.0, top_p=1.0)
+    pairs = ofsd.mine_round(model, tokenizer, search_index, questions, group_size=4, rollout_args=args,
+                            generator=torch.Generator().manual_seed(0), ofsd_students="any")
+    gap = teacher_gap.before_round(model, tokenizer, search_index, pairs, args, 64, "full")
+    m = ofsd.distill(model, tokenizer, pairs, ofsd_loss="kl", kl_weight=1.0, lora_rank=4, lora_alpha=8, lora_lr=1e-3,
+                     lora_epochs=1, ofsd_micro_batch=2, tau_clip=0.05, ofsd_clip="vocab", ofsd_context="full",
+                     ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=64, seed=0)
+    m.update(gap, **teacher_gap.after_round(model, tokenizer, search_index, pairs, args))
     assert m["pairs"] >= 1
     for key in ("teacher_em", "student_em", "mined_em_before", "mined_em_after", "disagree"):
         assert 0.0 <= m[key] <= 1.0, key
@@ -218,25 +220,20 @@ def test_greedy_scores_read_each_view(agent, tokenizer, search_index):
     want = {v: [rollout.exact_match(views[v][i], list(g)) for i, g in zip(changed, golds)] for v in ("student", "teacher")}
     assert all(a != b for a, b in zip(want["student"], want["teacher"]))
     for view in ("student", "teacher"):
-        em, searches = ofsd.greedy_scores(agent, tokenizer, search_index, mined, args, "full" if view == "teacher" else None)
+        em, searches = teacher_gap.greedy_scores(agent, tokenizer, search_index, mined, args, "full" if view == "teacher" else None)
         assert em == want[view] and searches == [views[view + " searches"][i] for i in changed], view
 
 
 def test_round_with_incorrect_students_only(agent, tokenizer, search_index):
-    """ofsd_students="incorrect" distils only pairs whose student sibling is incorrect."""
-    model = copy.deepcopy(agent)
+    """ofsd_students="incorrect" mines only pairs whose student sibling is incorrect."""
     questions = [{"question": AGENT_QUESTION, "golden_answers": ["Paris"]},
                  {"question": "which lake is near London", "golden_answers": ["Paris"]}] * 2
-    args = dict(group_size=4, lora_rank=4, lora_alpha=8, lora_lr=1e-3, lora_epochs=1, ofsd_micro_batch=2, tau_clip=0.05,
-                ofsd_clip="vocab", ofsd_context="full", ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=64,
-                lora_seed=0, log=None)
     counts = {}
     for students in ("any", "incorrect"):
-        m = ofsd.ofsd_round(copy.deepcopy(model), tokenizer, search_index, questions, ofsd_students=students,
-                            rollout_args=dict(max_turns=2, max_turn_tokens=40, max_obs_tokens=400, top_k=3,
-                                              temperature=0.5, top_p=1.0), generator=torch.Generator().manual_seed(1),
-                            **args)
-        counts[students] = (m["pairs"], m["incorrect_students"])
+        pairs = ofsd.mine_round(agent, tokenizer, search_index, questions, group_size=4, ofsd_students=students,
+                                rollout_args=dict(max_turns=2, max_turn_tokens=40, max_obs_tokens=400, top_k=3,
+                                                  temperature=0.5, top_p=1.0), generator=torch.Generator().manual_seed(1))
+        counts[students] = (len(pairs), sum(p.incorrect for p in pairs))
     assert counts["incorrect"] == (counts["any"][1], counts["any"][1])
     assert counts["any"][0] > counts["any"][1]  # the fixture mines correct students too
 
@@ -257,7 +254,8 @@ def adapted_pairs(agent, tokenizer, search_index):
 
 
 def reference_positions(base, model, data, tau_clip, clip):
-    """Per pair, float64 per-position (loss, true KL, P_student(teacher's top)): teacher = the base copy."""
+    """Per pair, float64 per-position (loss, true KL, P_student(teacher's top), the clip changed the
+    position's loss): teacher = the base copy."""
     out = []
     for s_ids, t_ids, s_pos, t_pos in data:
         with torch.no_grad():
@@ -266,7 +264,8 @@ def reference_positions(base, model, data, tau_clip, clip):
         f = lt.exp() * (lt - ls)  # (n, V)
         kl = f.sum(-1)
         loss = {"vocab": f.clamp(max=tau_clip).sum(-1), "position": kl.clamp(max=tau_clip), "none": kl}[clip]
-        out.append((loss, kl, ls.exp().gather(-1, lt.argmax(-1, keepdim=True)).squeeze(-1)))
+        clipped = {"vocab": (f > tau_clip).any(-1), "position": kl > tau_clip, "none": torch.zeros_like(kl).bool()}[clip]
+        out.append((loss, kl, ls.exp().gather(-1, lt.argmax(-1, keepdim=True)).squeeze(-1), clipped))
     return out
 
 
@@ -277,31 +276,31 @@ def test_pair_loss_teacher_is_the_base_model(agent, tokenizer, search_index, cli
     base, model, data = adapted_pairs(agent, tokenizer, search_index)
     got = ofsd.pair_loss(model, list(zip(data, ofsd.teacher_states(model, data, 1))), 0.05, clip, kl_chunk=7)
     ref = reference_positions(base, model, data, 0.05, clip)
-    want = sum(loss.mean() for loss, _, _ in ref) / len(ref)
+    want = sum(loss.mean() for loss, *_ in ref) / len(ref)
     assert abs(got.item() - want.item()) <= 1e-5 * max(1.0, abs(want.item()))
-    with_adapter_teacher = sum(l.mean() for l, _, _ in reference_positions(model, model, data, 0.05, clip)) / 2
+    with_adapter_teacher = sum(l.mean() for l, *_ in reference_positions(model, model, data, 0.05, clip)) / 2
     assert abs(with_adapter_teacher.item() - want.item()) > 1e-3  # the check can tell the two teachers apart
 
 
-def test_pair_stats_report_the_true_kl(agent, tokenizer, search_index):
-    """pair_stats: the loss, the unclipped KL, the clipped share and P(teacher's top), per pair then mean."""
+@pytest.mark.parametrize("clip", ["vocab", "position", "none"])
+def test_pair_stats_report_the_true_kl(agent, tokenizer, search_index, clip):
+    """pair_stats, in each clip mode: the loss, the unclipped KL, the clipped share and P(teacher's top),
+    per pair then mean (what an OFSD round reports as loss / clip_frac before and after)."""
     base, model, data = adapted_pairs(agent, tokenizer, search_index)
-    got = ofsd.pair_stats(model, list(zip(data, ofsd.teacher_states(model, data, 2))), 0.05, "position",
+    got = ofsd.pair_stats(model, list(zip(data, ofsd.teacher_states(model, data, 2))), 0.05, clip,
                           ofsd_micro_batch=2, kl_chunk=5)
-    ref = reference_positions(base, model, data, 0.05, "position")
-    for key, want in (("loss", sum(l.mean() for l, _, _ in ref) / 2), ("kl_true", sum(k.mean() for _, k, _ in ref) / 2),
-                      ("clip_frac", sum((k > 0.05).double().mean() for _, k, _ in ref) / 2),
-                      ("p_top", sum(p.mean() for _, _, p in ref) / 2)):
+    ref = reference_positions(base, model, data, 0.05, clip)
+    for key, want in (("loss", sum(r[0].mean() for r in ref) / 2), ("kl_true", sum(r[1].mean() for r in ref) / 2),
+                      ("clip_frac", sum(r[3].double().mean() for r in ref) / 2), ("p_top", sum(r[2].mean() for r in ref) / 2)):
         assert abs(got[key] - want.item()) <= 1e-5 * max(1.0, abs(want.item())), key
-    assert got["kl_true"] > got["loss"]  # the clip acted
+    if clip != "none":
+        assert got["kl_true"] > got["loss"] and 0 < got["clip_frac"] < 1  # the clip acted, not everywhere
 
 
-def test_rft_control_fits_tau_ref_and_merges(agent, tokenizer, search_index):
-    """bench_real_ofsd's RFT control: its loss is each tau_ref's mean -log p over its policy tokens
+def test_nll_loss_fits_tau_ref_and_merges(agent, tokenizer, search_index):
+    """ofsd_loss="nll" (the rft control): its loss is each tau_ref's mean -log p over its policy tokens
     (float64 full forward), the round lowers it, reports the true KL from the starting teacher view
     before -> after, and leaves a plain Qwen2 with moved weights."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-    import bench_real_ofsd
     trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION, "Ada"], G=2, temperature=1.0,
                 generator=torch.Generator().manual_seed(5))
     pairs = [ofsd.Pair(trajs[0], trajs[1], True), ofsd.Pair(trajs[2], trajs[3], True)]
@@ -314,12 +313,14 @@ def test_rft_control_fits_tau_ref_and_merges(agent, tokenizer, search_index):
         want -= logp.gather(-1, ids[0, 1:, None])[:, 0][mask].mean().item() / len(refs)
     model = copy.deepcopy(agent)
     with torch.no_grad():
-        assert abs(bench_real_ofsd.tau_ref_nll(model, refs, 0).item() - want) <= 1e-5
+        assert abs(ofsd.tau_ref_nll(model, refs, 0).item() - want) <= 1e-5
     torch.manual_seed(0)
-    m = bench_real_ofsd.rft(model, tokenizer, pairs, lora_rank=4, lora_alpha=8, lora_lr=1e-2, lora_epochs=3,
-                            ofsd_micro_batch=1, max_grad_norm=1.0, kl_chunk=5, seed=0, ofsd_context="full",
-                            ofsd_positions="policy")
-    assert m["nll_after"] < m["nll_before"] and len(m["losses"]) == 6
+    m = ofsd.distill(model, tokenizer, pairs, ofsd_loss="nll", kl_weight=0.0, lora_rank=4, lora_alpha=8, lora_lr=1e-2,
+                     lora_epochs=3, ofsd_micro_batch=1, tau_clip=0.0, ofsd_clip="none", ofsd_context="full",
+                     ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=5, seed=0)
+    assert abs(m["nll_before"] - want) <= 1e-5 and m["nll_after"] < m["nll_before"] and len(m["losses"]) == 6
+    with torch.no_grad():  # the first step's loss: one pair's NLL (a pair a step), the adapter still zero
+        assert min(abs(m["losses"][0] - ofsd.tau_ref_nll(agent, [p.ref], 0).item()) for p in pairs) <= 1e-5
     data = [views(tokenizer, p.ref, p.stu) for p in pairs]
     start = ofsd.pair_stats(agent, list(zip(data, ofsd.teacher_states(agent, data, 1))), 0.0, "none", 1, 5)
     assert abs(m["kl_true_before"] - start["kl_true"]) <= 1e-6 and m["kl_true_after"] != m["kl_true_before"]
@@ -327,55 +328,12 @@ def test_rft_control_fits_tau_ref_and_merges(agent, tokenizer, search_index):
     assert any((p - q).abs().max() > 0 for p, q in zip(model.parameters(), agent.parameters()))
 
 
-def test_resumed_run_reads_back_the_mined_pairs(agent, tokenizer, search_index, tmp_path):
-    """bench_real_ofsd saves a seed's pairs once and a resumed run reads back equal pairs without mining."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-    import bench_real_ofsd
+def test_pairs_saved_and_read_back(agent, tokenizer, search_index, tmp_path):
+    """save_pairs then load_pairs gives equal pairs (trajectories, golds, groups): what a resumed experiment reads."""
     trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION, "Ada"], G=2, temperature=1.0,
                 generator=torch.Generator().manual_seed(5))
-    pairs = [ofsd.Pair(trajs[0], trajs[1], True, ("Paris",)), ofsd.Pair(trajs[2], trajs[3], False, ("x", "y"))]
+    pairs = [ofsd.Pair(trajs[0], trajs[1], True, ("Paris",), ((("a", "b"), 1.0), ((), 0.0))),
+             ofsd.Pair(trajs[2], trajs[3], False, ("x", "y"))]
     path = str(tmp_path / "pairs.json")
-    first = bench_real_ofsd.mined_pairs(path, lambda: (pairs, {"teacher_em": 0.5}, 12.0))
-
-    def must_not_mine():
-        raise AssertionError("mined again")
-    again = bench_real_ofsd.mined_pairs(path, must_not_mine)
-    assert first == again == (pairs, {"teacher_em": 0.5}, 12.0)
-
-
-def test_rounds_table_reports_each_round_before_and_after():
-    """bench_real_ofsd.rounds_table: a trained arm's diagnostics before -> after; none-round's stay put."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-    import bench_real_ofsd
-    before = dict(teacher_em=0.9, student_em=0.8, student_searches=1.0, teacher_searches=2.0)
-    test = {"all": dict(n=4, em=0.5, searches=1.25, format=1.0)}
-    rows = [dict(seed=0, arm="none-round", before=before, round={}, test=test, seconds=120.0),
-            dict(policy="P", seed=0, arm="ofsd-vocab", test=test, seconds=600.0,
-                 before=dict(before, p_search_student=0.7, p_search_teacher=0.6),
-                 round=dict(kl_true_before=0.3, kl_true_after=0.1, p_top_before=0.6, p_top_after=0.7,
-                            clip_frac_after=0.25, mined_em_after=0.85, teacher_em_after=0.95,
-                            student_searches_after=0.5, teacher_searches_after=1.5))]
-    lines = bench_real_ofsd.rounds_table(rows).splitlines()
-    assert lines[2] == ("| 0 | none-round | - -> - | - -> - | - | 0.800 -> 0.800 | 0.900 -> 0.900 "
-                        "| 1.000 -> 1.000 / 2.000 -> 2.000 | - / - | 0.500 | 1.25 | 2 |")
-    assert lines[3] == ("| (P, 0) | ofsd-vocab | 0.300 -> 0.100 | 0.600 -> 0.700 | 0.250 | 0.800 -> 0.850 "
-                        "| 0.900 -> 0.950 | 1.000 -> 0.500 / 2.000 -> 1.500 | 0.700 / 0.600 | 0.500 | 1.25 | 10 |")
-
-
-def test_report_counts_each_draw_once_in_the_rule(tmp_path, capsys):
-    """bench_real_ofsd.report: rows of two policies are three draws in the rule, and the chart has a dot each."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-    import bench_real_ofsd
-
-    def row(policy, seed, arm, em):
-        return dict(policy=policy, seed=seed, arm=arm, before={}, round={}, seconds=60.0,
-                    test={"all": dict(n=8, em=em, searches=1.0, format=1.0), "single": dict(n=8, em=em)})
-    rows = [row("P", 0, "none-round", 0.25), row("P", 0, "rft", 0.5), row("Q", 1, "none-round", 0.125),
-            row("Q", 1, "rft", 0.375), row("Q", 2, "none-round", 0.125), row("Q", 2, "rft", 0.875)]
-    chart = tmp_path / "chart.svg"
-    bench_real_ofsd.report(rows, ["none-round", "rft"], str(chart))
-    out = capsys.readouterr().out
-    # rft: mean 0.583 (range 0.5), none-round: mean 0.167 (range 0.125); +0.417 is not above 0.5, and
-    # rft's worst draw (0.375) beats none-round's best (0.25): a gain by the second clause
-    assert "rft over none-round: 0.583 against 0.167, difference +0.417, margin 0.500; worst draw 0.375 vs best 0.250: GAIN" in out
-    assert "| (Q, 2) | rft |" in out and chart.read_text().count("<circle") == 6
+    ofsd.save_pairs(path, pairs, {"teacher_em": 0.5})
+    assert ofsd.load_pairs(path) == (pairs, {"teacher_em": 0.5})

@@ -219,7 +219,7 @@ def test_real_checkpoint_ofsd_lowers_the_pair_kl(search_index):
     trajs = rollout(model, tok, search_index, ["Who wrote Hamlet?"], 2, max_turns=1, max_turn_tokens=32,
                        max_obs_tokens=64, top_k=2, temperature=1.0, top_p=1.0,
                        generator=torch.Generator().manual_seed(0))
-    m = ofsd.distill(model, tok, [ofsd.Pair(trajs[0], trajs[1], True)], lora_rank=8, lora_alpha=16, lora_lr=1e-3, lora_epochs=3,
+    m = ofsd.distill(model, tok, [ofsd.Pair(trajs[0], trajs[1], True)], ofsd_loss="kl", kl_weight=1.0, lora_rank=8, lora_alpha=16, lora_lr=1e-3, lora_epochs=3,
                    ofsd_micro_batch=1, tau_clip=0.05, ofsd_clip="vocab", ofsd_context="full", ofsd_positions="policy",
                    max_grad_norm=1.0, kl_chunk=64, seed=0)
     print(m)

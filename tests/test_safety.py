@@ -171,14 +171,18 @@ def test_empty_question_file_is_named(tmp_path):
         read_questions(str(path))
 
 
-def test_eval_reads_every_file_first(tmp_path):
-    """eval.py with a missing second --data file fails before evaluating, naming that file."""
+def test_eval_checks_every_path_first(tmp_path):
+    """eval.py with a missing model folder and a missing second --data file fails before loading anything,
+    one line naming each setting, no traceback, nothing written."""
     good = tmp_path / "a.jsonl"
     good.write_text('{"question": "q", "golden_answers": ["a"]}\n')
-    p = subprocess.run([sys.executable, "eval.py", "--model", str(tmp_path / "no_model"), "--index", "x",
-                        "--data", f"{good},{tmp_path / 'missing.jsonl'}", "--out", str(tmp_path / "o.jsonl")],
+    p = subprocess.run([sys.executable, "eval.py", f"--model_dir={tmp_path / 'no_model'}", f"--index_dir={tmp_path}",
+                        f"--data={good},{tmp_path / 'missing.jsonl'}", f"--out_file={tmp_path / 'o.jsonl'}"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert p.returncode != 0 and "missing.jsonl" in p.stderr and "no_model" not in p.stderr
+    assert p.returncode != 0 and "Traceback" not in p.stderr and not (tmp_path / "o.jsonl").exists()
+    lines = p.stderr.splitlines()
+    assert any(line.strip().startswith("--model_dir=") and "no_model" in line for line in lines)
+    assert any(line.strip().startswith("--data=") and "missing.jsonl" in line for line in lines)
 
 
 # ----------------------------------------------------------------------------------------------

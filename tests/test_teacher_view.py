@@ -163,19 +163,15 @@ def test_loop_runs_with_a_query_plan_teacher_and_query_positions(micro, tmp_path
     assert json.load(open(os.path.join(out, "checkpoint", "state.json")))["config"]["ofsd_context"] == "queries"
 
 
-def test_rft_kl_arm_adds_the_weighted_kl_to_the_nll(agent, tokenizer, group):
-    """bench_real_ofsd's rft-kl arm: its first loss is tau_ref's NLL plus kl_weight times the plain
-    forward KL from the chosen teacher view, at the start (a fresh adapter changes nothing yet)."""
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-    import bench_real_ofsd
+def test_nll_kl_loss_adds_the_weighted_kl_to_the_nll(agent, tokenizer, group):
+    """ofsd_loss="nll_kl": the round's first loss is tau_ref's NLL plus kl_weight times the KL from the
+    chosen teacher view, at the start (a fresh adapter changes nothing yet)."""
     pair = ofsd.Pair(searcher(group), group[1], True, group=tuple((tuple(t.queries), 1.0) for t in group))
     model = copy.deepcopy(agent)
     items = ofsd.pair_items(model, tokenizer, [pair], 1, "queries", "policy")
     with torch.no_grad():
-        want = bench_real_ofsd.tau_ref_nll(model, [pair.ref], 0).item() + \
-            0.5 * ofsd.pair_loss(model, items, 0.0, "none", 7).item()
-    m = bench_real_ofsd.rft(model, tokenizer, [pair], lora_rank=4, lora_alpha=8, lora_lr=1e-3, lora_epochs=1,
-                            ofsd_micro_batch=1, max_grad_norm=1.0, kl_chunk=7, seed=0, ofsd_context="queries",
-                            ofsd_positions="policy", kl_weight=0.5)
+        want = ofsd.tau_ref_nll(model, [pair.ref], 0).item() + 0.5 * ofsd.pair_loss(model, items, 0.0, "none", 7).item()
+    m = ofsd.distill(model, tokenizer, [pair], ofsd_loss="nll_kl", kl_weight=0.5, lora_rank=4, lora_alpha=8,
+                     lora_lr=1e-3, lora_epochs=1, ofsd_micro_batch=1, tau_clip=0.0, ofsd_clip="none",
+                     ofsd_context="queries", ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=7, seed=0)
     assert abs(m["losses"][0] - want) <= 1e-5 * max(1.0, want)

@@ -4,7 +4,7 @@ the questions an OFSD round would mine (what #24's backbone target and #34's pre
 For each checkpoint (the toy backbone, or a run's `checkpoint/model`, or a real Qwen2.5 folder):
 `group_size` samples per question at the loop's sampling settings, one pair mined per question with
 a correct sample (the paper's rule: tau_ref = the correct sample with the fewest searches), then one
-greedy rollout per mined question from each view (ofsd.greedy_scores, the diagnostic every OFSD round
+greedy rollout per mined question from each view (teacher_gap.greedy_scores, the diagnostic every OFSD round
 prints; both views are ofsd.py's prompts). Prints a table: mined questions, student EM, teacher EM
 and the gap, overall, per question type, and split by the mined student sample's outcome (an
 incorrect sibling, or only correct ones: ofsd_students="any").
@@ -16,8 +16,8 @@ that protocol: 4.4 GB in bfloat16). Another world: --index_dir and --questions_f
 test.jsonl, and its followups.jsonl for more pairs).
 The dtype is fsdp.device_and_dtype's "auto" (bfloat16 for a real checkpoint on a CPU that has it).
 
-    python bench/bench_teacher.py [--world_dir cache/toyworld] [--questions 96] [CHECKPOINT_DIR ...]
-    python bench/bench_teacher.py --questions 160 --max_turn_tokens=200 --top_p=0.95 --rollout_rows=160 \\
+    python experiments/teacher.py [--world_dir cache/toyworld] [--questions 96] [CHECKPOINT_DIR ...]
+    python experiments/teacher.py --questions 160 --max_turn_tokens=200 --top_p=0.95 --rollout_rows=160 \\
         ~/.cache/qwen2.5-coder-0.5b-instruct
 """
 
@@ -29,17 +29,18 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import PROTOCOL  # noqa: E402
 from eval import read_questions  # noqa: E402
 from evolve import DEFAULTS  # noqa: E402  (the loop's settings as written, whatever main() did since)
 import fsdp  # noqa: E402
 import retriever  # noqa: E402
 import toyagent  # noqa: E402
 from model import Qwen2Config, load  # noqa: E402
-from ofsd import greedy_scores, mine  # noqa: E402
+from ofsd import mine  # noqa: E402
+from teacher_gap import greedy_scores  # noqa: E402
 from rollout import rollout  # noqa: E402
 
-PROTOCOL = ("max_turns", "max_turn_tokens", "max_obs_tokens", "top_k", "temperature", "top_p", "rollout_rows")
 
 
 def headroom(folder, index, questions, rollout_args, group_size, seed, dtype):

@@ -6,7 +6,7 @@ GRPO needs to learn from); mean searches per question, greedy and sampled, again
 (one per hop); and the searches of the correct samples against their minimum (the waste OFSD's
 tau_ref trims). The targets and the measured values are in docs/toyworld.md.
 
-    python bench/bench_backbone.py [--world_dir cache/toyworld] [--temperature 1.0] [--build]
+    python experiments/backbone.py [--world_dir cache/toyworld] [--temperature 1.0] [--build]
 """
 
 import argparse

@@ -37,12 +37,11 @@ tokens peaks at 13.0 GB and the real round was killed at 24.4 GB; with it 6.8 GB
 
 Left out: the alternating loop (evolve.py runs it), more than one round.
 
-    python bench/bench_real_ofsd.py --checkpoint runs/grpo05/checkpoint/model --seeds 0,1,2 \\
+    python experiments/real_ofsd.py --checkpoint runs/grpo05/checkpoint/model --seeds 0,1,2 \\
         --max_turn_tokens=200 --top_p=0.95 --rollout_rows=160 --out runs/real_ofsd.jsonl
 """
 
 import argparse
-import dataclasses
 import json
 import os
 import random
@@ -50,97 +49,22 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_ablation import cell, stats  # noqa: E402  (mean [lowest, highest seed])
-from bench_teacher import PROTOCOL  # noqa: E402  (the rollout settings a mining run takes)
-from checkpoint import write_atomic  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import PROTOCOL, cell, mined_pairs, policy, stats  # noqa: E402
 from eval import evaluate, read_questions, summarize  # noqa: E402
 from evolve import DEFAULTS  # noqa: E402  (the loop's settings as written)
 import fsdp  # noqa: E402
-import grpo  # noqa: E402
-import lora  # noqa: E402
 import ofsd  # noqa: E402
 import retriever  # noqa: E402
+import teacher_gap  # noqa: E402
 import toyagent  # noqa: E402
-from model import Qwen2Config, load  # noqa: E402
-from rollout import Trajectory, rollout  # noqa: E402
+from model import Qwen2Config  # noqa: E402
+import lora  # noqa: E402
 
 ARMS = ("none-round", "ofsd-vocab", "ofsd-position", "ofsd-none", "rft", "rft-kl")
 VIEW = ("ofsd_context", "ofsd_positions")  # what the teacher sees, where the KL counts
 ROUND = ("lora_rank", "lora_alpha", "lora_lr", "lora_epochs", "ofsd_micro_batch", "tau_clip", "max_grad_norm", "kl_chunk")
-
-
-def policy(folder, dev, dt, checkpoint_layers=False):
-    """The checkpoint in float32, sharded for bfloat16 compute when a process group is up (fsdp.setup)."""
-    model, tok = load(folder, dev, torch.float32)
-    if dist.is_initialized():
-        fsdp.shard(model, dt)
-    model.checkpoint_layers = checkpoint_layers
-    return model, tok
-
-
-def mined_pairs(path, mine_them):
-    """(pairs, diagnostics, seconds) read from `path` when a run before this one wrote it, else
-    `mine_them()`'s, written there (temporary name, then rename) before they are used."""
-    if path and os.path.exists(path):
-        with open(path) as f:
-            saved = json.load(f)
-        pairs = [ofsd.Pair(Trajectory(**p["ref"]), Trajectory(**p["stu"]), p["incorrect"], tuple(p["golds"]),
-                           tuple((tuple(qs), r) for qs, r in p.get("group", ())))  # files before #48 hold no group
-                 for p in saved["pairs"]]
-        return pairs, saved["before"], saved["seconds"]
-    pairs, before, seconds = mine_them()
-    if path:
-        write_atomic(path, json.dumps(dict(before=before, seconds=seconds, pairs=[
-            dict(ref=dataclasses.asdict(p.ref), stu=dataclasses.asdict(p.stu), incorrect=p.incorrect,
-                 golds=list(p.golds), group=[[list(qs), r] for qs, r in p.group]) for p in pairs])))
-    return pairs, before, seconds
-
-
-def tau_ref_nll(model, refs, pad_id):
-    """Mean over the trajectories of each one's mean -log p of its policy tokens: (), differentiable."""
-    ids, valid, mask, _ = grpo.pad_batch(refs, pad_id, model.model.embed_tokens.weight.device)  # (B, T) each
-    logp = grpo.token_logprobs(model, ids, valid, mask, 1.0)  # (n,) row-major
-    counts = mask[:, 1:].sum(1)  # (B,) policy tokens of each trajectory
-    w = torch.repeat_interleave(1.0 / (counts.float() * len(refs)), counts)  # (n,)
-    return -(w * logp).sum()
-
-
-def rft(model, tokenizer, pairs, *, lora_rank, lora_alpha, lora_lr, lora_epochs, ofsd_micro_batch, max_grad_norm,
-        kl_chunk, seed, ofsd_context, ofsd_positions, kl_weight=0.0, log=None):
-    """The control: ofsd.distill's LoRA round (the same adapter, optimizer, batches and order) on
-    the NLL of tau_ref in the student view instead of the teacher's KL, then merge; with kl_weight > 0
-    (arm rft-kl) plus kl_weight times the plain forward KL from the teacher view of the same pairs.
-    Reports, as distill does, the true KL from the round's starting teacher view and P(its top
-    token) before -> after."""
-    refs = [p.ref for p in pairs if sum(p.ref.loss_mask)]
-    metrics = dict(pairs=len(pairs), incorrect_students=sum(p.incorrect for p in pairs), losses=[])
-    if not refs:
-        return metrics
-    # the teacher before the round
-    items = ofsd.pair_items(model, tokenizer, pairs, ofsd_micro_batch, ofsd_context, ofsd_positions)
-    data, batch_loss = refs, lambda m, batch: tau_ref_nll(m, batch, tokenizer.pad_id)  # noqa: E731
-    if kl_weight > 0:  # (tau_ref, (PairSequences, teacher states)) of the pairs that have both
-        with_pos = [p for p in pairs if ofsd.pair_sequences(tokenizer, p.stu, ofsd.privileged(tokenizer, p, ofsd_context),
-                                                            ofsd_positions).student_pos]  # pair_items' pairs, in order
-        data = [(p.ref, item) for p, item in zip(with_pos, items) if sum(p.ref.loss_mask)]
-        batch_loss = lambda m, batch: (tau_ref_nll(m, [r for r, _ in batch], tokenizer.pad_id) +  # noqa: E731
-                                       kl_weight * ofsd.pair_loss(m, [i for _, i in batch], 0.0, "none", kl_chunk))
-    params = lora.attach(model, lora_rank, lora_alpha)
-
-    def measure(when):
-        with torch.no_grad():
-            metrics[f"nll_{when}"] = tau_ref_nll(model, refs, tokenizer.pad_id).item()
-        stats = ofsd.pair_stats(model, items, 0.0, "none", ofsd_micro_batch, kl_chunk) if items else {}
-        metrics.update({f"{k}_{when}": stats[k] for k in ("kl_true", "p_top") if k in stats})
-    measure("before")
-    metrics["losses"] = ofsd.fit_adapter(model, params, data, batch_loss, lora_lr=lora_lr, lora_epochs=lora_epochs,
-                                         micro_batch=ofsd_micro_batch, max_grad_norm=max_grad_norm, seed=seed, log=log)
-    measure("after")
-    lora.merge_trained(model, params)
-    return metrics
 
 
 def test_em(model, tok, index, test, protocol, batch):
@@ -283,7 +207,7 @@ def main():
     index = retriever.load_index(os.path.join(world_dir, "index"))
     train = read_questions(os.path.join(world_dir, "train.jsonl"))
     test = read_questions(os.path.join(world_dir, "test.jsonl"), args.test)
-    width = Qwen2Config.from_json(os.path.join(args.checkpoint, "config.json")).hidden_size
+    width = Qwen2Config.from_json(os.path.join(lora.base_dir(args.checkpoint), "config.json")).hidden_size
     _, _, dev, dt = fsdp.setup("auto", args.dtype, width)
     rollout_args = {k: getattr(args, k) for k in PROTOCOL}
     protocol = {k: v for k, v in rollout_args.items() if k not in ("temperature", "top_p")}  # greedy eval's
@@ -302,21 +226,17 @@ def main():
             continue
 
         def mine_them():
-            t0 = time.time()
             model, tok = policy(args.checkpoint, dev, dt)
             questions = random.Random(seed).sample(train, min(args.questions, len(train)))
-            with torch.no_grad():
-                trajs = rollout(model, tok, index, [q["question"] for q in questions], args.group_size,
-                                generator=torch.Generator(device=dev).manual_seed(seed), **rollout_args)
-            mined = ofsd.mine(trajs, questions, args.group_size)
-            del trajs  # the pairs keep their two trajectories each
-            before = ofsd.mined_diagnostics(model, tok, index, mined, rollout_args, args.kl_chunk, context) if mined else {}
-            return mined, dict(before, context=context), time.time() - t0
+            mined = ofsd.mine_round(model, tok, index, questions, group_size=args.group_size, rollout_args=rollout_args,
+                                    generator=torch.Generator(device=dev).manual_seed(seed), ofsd_students="any")
+            before = teacher_gap.before_round(model, tok, index, mined, rollout_args, args.kl_chunk, context)
+            return mined, dict(before, context=context)
 
         mined, before, seconds = mined_pairs(args.out and f"{args.out}.pairs-seed{seed}.json", mine_them)
         if mined and before.get("context", "full") != context:  # pairs mined with another teacher view's diagnostics
             model, tok = policy(args.checkpoint, dev, dt)
-            before = dict(ofsd.mined_diagnostics(model, tok, index, mined, rollout_args, args.kl_chunk, context),
+            before = dict(teacher_gap.before_round(model, tok, index, mined, rollout_args, args.kl_chunk, context),
                           context=context)
             model = None
         print(f"seed {seed} | mined {len(mined)} of {min(args.questions, len(train))} | teacher_em "
@@ -330,18 +250,17 @@ def main():
             torch.manual_seed(seed)  # the adapter's initialisation, the same for every arm of a seed
             log = lambda epoch, n, loss: print(  # noqa: E731
                 f"seed {seed} | {arm} | epoch {epoch} | step {n:4d} | loss {loss:.5f} | {time.time() - t1:.0f}s", flush=True)
-            if arm.startswith("rft"):
-                m = rft(model, tok, mined, seed=seed, log=log, kl_weight=args.kl_weight if arm == "rft-kl" else 0.0,
-                        **{k: v for k, v in round_args.items() if k != "tau_clip"})
-            elif arm.startswith("ofsd-"):
-                m = ofsd.distill(model, tok, mined, ofsd_clip=arm[len("ofsd-"):], seed=seed, log=log, **round_args)
+            if arm != "none-round":  # rft: tau_ref's NLL (ofsd_loss nll); rft-kl: plus the plain KL (nll_kl)
+                loss, clip = dict(rft=("nll", "none"), **{"rft-kl": ("nll_kl", "none")}).get(arm, ("kl", arm[5:]))
+                m = ofsd.distill(model, tok, mined, ofsd_loss=loss, kl_weight=args.kl_weight, ofsd_clip=clip, seed=seed,
+                                 log=log, **round_args)
             else:
                 m = {}
             if arm != "none-round" and mined:
                 for view, name in (("student", "mined_em_after"), ("teacher", "teacher_em_after")):
-                    em, searches = ofsd.greedy_scores(model, tok, index, mined, rollout_args,
-                                                      context if view == "teacher" else None)
-                    m.update(ofsd.split_em(name, em, mined), **{f"{view}_searches_after": sum(searches) / len(mined)})
+                    em, searches = teacher_gap.greedy_scores(model, tok, index, mined, rollout_args,
+                                                             context if view == "teacher" else None)
+                    m.update(teacher_gap.split_em(name, em, mined), **{f"{view}_searches_after": sum(searches) / len(mined)})
             if arm == "none-round" and baseline is not None:
                 summary, by_question = baseline
             else:

@@ -1,18 +1,18 @@
 """The premise per teacher context, before any training: on the same mined pairs, what each
 `ofsd_context` (ofsd.privileged) gives the teacher view (#48 item 4).
 
-For a checkpoint (the policy that was mined) and its pairs (a pairs file that bench_real_ofsd.py
+For a checkpoint (the policy that was mined) and its pairs (a pairs file that real_ofsd.py
 wrote, or `--questions` train questions drawn with random.Random(--seed), G samples each at the
 loop's sampling settings, mined by the paper's rule and written to --pairs), one greedy rollout per
 mined question from the student view, then for each context: one greedy rollout per mined question
 from that teacher view (EM, searches a question) and, over tau_stu's policy tokens, the true KL by
-segment and each view's probability of the student's choices to search (ofsd.token_diagnostics).
+segment and each view's probability of the student's choices to search (teacher_gap.token_diagnostics).
 Prints one row per context and writes it as a JSON line to --out. "Kept" marks a context whose
 teacher is ahead of the student (EM) and still searches (at least half the student's searches a
 question): the declared experiment's arms are the kept contexts. A pairs file written before #48
 holds no group, so it has no `group_queries` row (say so, and mine again for it).
 
-    python bench/bench_context.py --checkpoint runs/grpo05/checkpoint/model \\
+    python experiments/context.py --checkpoint runs/grpo05/checkpoint/model \\
         --pairs docs/data/real_ofsd_p2.jsonl.pairs-seed1.json --max_turn_tokens=200 --top_p=0.95 \\
         --rollout_rows=160 --out runs/context_p1.jsonl
 """
@@ -26,30 +26,30 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_real_ofsd import mined_pairs, policy  # noqa: E402
-from bench_teacher import PROTOCOL  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import PROTOCOL, mined_pairs, policy  # noqa: E402
 from eval import read_questions  # noqa: E402
 from evolve import DEFAULTS  # noqa: E402
 import fsdp  # noqa: E402
 import ofsd  # noqa: E402
 import retriever  # noqa: E402
+import lora  # noqa: E402
+import teacher_gap  # noqa: E402
 import toyagent  # noqa: E402
 from model import Qwen2Config  # noqa: E402
-from rollout import rollout  # noqa: E402
 
 
 def premise(model, tok, index, mined, rollout_args, kl_chunk, contexts):
     """Yields one row per context (a dict): the student view once, then each teacher view."""
-    student, student_searches = ofsd.greedy_scores(model, tok, index, mined, rollout_args)
+    student, student_searches = teacher_gap.greedy_scores(model, tok, index, mined, rollout_args)
     base = dict(pairs=len(mined), student_em=sum(student) / len(mined),
                 student_searches=sum(student_searches) / len(mined))
     for context in contexts:
         t0 = time.time()
-        teacher, searches = ofsd.greedy_scores(model, tok, index, mined, rollout_args, context)
+        teacher, searches = teacher_gap.greedy_scores(model, tok, index, mined, rollout_args, context)
         row = dict(base, context=context, teacher_em=sum(teacher) / len(mined),
                    teacher_searches=sum(searches) / len(mined),
-                   **ofsd.token_diagnostics(model, tok, mined, kl_chunk, context))
+                   **teacher_gap.token_diagnostics(model, tok, mined, kl_chunk, context))
         row["kept"] = row["teacher_em"] > row["student_em"] and row["teacher_searches"] >= row["student_searches"] / 2
         yield dict(row, seconds=time.time() - t0)
 
@@ -73,19 +73,16 @@ def main():
         sys.exit(f"unknown contexts {sorted(set(contexts) - set(ofsd.CONTEXTS))}; known: {', '.join(ofsd.CONTEXTS)}")
     world_dir, _ = toyagent.ensure(args.world_dir, DEFAULTS["world_seed"], DEFAULTS["top_k"])
     index = retriever.load_index(os.path.join(world_dir, "index"))
-    width = Qwen2Config.from_json(os.path.join(args.checkpoint, "config.json")).hidden_size
+    width = Qwen2Config.from_json(os.path.join(lora.base_dir(args.checkpoint), "config.json")).hidden_size
     _, _, dev, dt = fsdp.setup("auto", args.dtype, width)
     rollout_args = {k: getattr(args, k) for k in PROTOCOL}
     model, tok = policy(args.checkpoint, dev, dt)
 
     def mine_them():
-        t0 = time.time()
         train = read_questions(os.path.join(world_dir, "train.jsonl"))
         questions = random.Random(args.seed).sample(train, min(args.questions, len(train)))
-        with torch.no_grad():
-            trajs = rollout(model, tok, index, [q["question"] for q in questions], args.group_size,
-                            generator=torch.Generator(device=dev).manual_seed(args.seed), **rollout_args)
-        return ofsd.mine(trajs, questions, args.group_size), {}, time.time() - t0
+        return ofsd.mine_round(model, tok, index, questions, group_size=args.group_size, rollout_args=rollout_args,
+                               generator=torch.Generator(device=dev).manual_seed(args.seed), ofsd_students="any"), {}
 
     mined, _, _ = mined_pairs(args.pairs, mine_them)
     if "group_queries" in contexts and not all(p.group for p in mined):

@@ -17,26 +17,23 @@ variant) to OUT/curves.svg. A variant is NAME or NAME:--key=value,--key=value (e
 settings); arguments after `--` go to every run. A run whose results are already in OUT with the
 same command is reused (so a killed table resumes where it stopped).
 
-    python bench/bench_ablation.py                     # docs/ablation.md's table: 4 variants x 5 seeds
-    python bench/bench_ablation.py --seeds 0 --variants grpo:--ofsd_rounds=false ofsd -- --grpo_steps=5
+    python experiments/ablation.py                     # docs/ablation.md's table: 4 variants x 5 seeds
+    python experiments/ablation.py --seeds 0 --variants grpo:--ofsd_rounds=false ofsd -- --grpo_steps=5
 """
 
 import argparse
-import inspect
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import cell, stats  # noqa: E402
 from eval import curves_svg  # noqa: E402  (the repository's chart, shared with evolve.py)
 import evolve  # noqa: E402  (its parse_overrides types a variant's settings)
-from grpo import grpo_round  # noqa: E402
-from ofsd import ofsd_round  # noqa: E402
-from rollout import rollout  # noqa: E402
+import checkpoint  # noqa: E402
 
 VARIANTS = (  # pre-declared in docs/ablation.md before the runs; the first is the baseline
     "grpo:--ofsd_rounds=false",                     # GRPO only, the same GRPO steps
@@ -50,46 +47,18 @@ DIAGNOSTICS = ("pairs", "incorrect_students", "teacher_em", "student_em", "disag
                "kl_answer", "mined_em_before", "mined_em_after")
 
 
-def stats(vals):
-    vals = [v for v in vals if v is not None]
-    return (sum(vals) / len(vals), min(vals), max(vals)) if vals else None
-
-
-def cell(vals, digits=3):
-    s = stats(vals)
-    return "-" if s is None else f"{s[0]:.{digits}f} [{s[1]:.{min(digits, 2)}f}, {s[2]:.{min(digits, 2)}f}]"
-
-
-def ofsd_only():
-    """The settings that only an OFSD round reads: the evolve.py settings that ofsd.ofsd_round takes
-    by name and neither grpo.grpo_round nor the rollouts do, plus the two evolve.py reads to run the
-    round (ofsd_rounds, ofsd_questions). Variants that differ from the baseline in these alone share
-    its first GRPO round (same seed, same steps, deterministic), which runs once per seed."""
-    def takes(fn):
-        return set(inspect.signature(fn).parameters)
-    return (takes(ofsd_round) - takes(grpo_round) - takes(rollout)) & set(evolve.config_keys) | {"ofsd_rounds",
-                                                                                                  "ofsd_questions"}
-
-
-OFSD_ONLY = ofsd_only()
+# The settings only an OFSD round reads (evolve.py passes them to ofsd.mine_round, teacher_gap and
+# ofsd.distill alone). Variants that differ from the baseline in these alone share its first GRPO round
+# (same seed, same steps, deterministic), which runs once per seed.
+OFSD_ONLY = ("ofsd_rounds", "ofsd_questions", "ofsd_students", "ofsd_loss", "ofsd_kl_weight", "lora_rank", "lora_alpha",
+             "lora_lr", "lora_epochs", "ofsd_micro_batch", "tau_clip", "ofsd_clip", "ofsd_context", "ofsd_positions",
+             "kl_chunk")
 
 
 def fork(src, dst, args):
-    """Copy the run in `src` (its checkpoint after the first GRPO round) to `dst` and record the
-    settings of the variant's command line `args` in the checkpoint's configuration, so that
-    `evolve.py --resume` continues it as the variant: exactly the run the variant makes from the
-    start, since nothing before its first OFSD round reads OFSD_ONLY settings (and a resume restores
-    every random state)."""
-    shutil.rmtree(dst, ignore_errors=True)
-    shutil.copytree(src, dst)
-    os.remove(os.path.join(dst, "results.md"))  # written when the variant's run ends
-    state_file = os.path.join(dst, "checkpoint", "state.json")
-    with open(state_file) as f:
-        state = json.load(f)
-    state["config"].update({k: evolve.DEFAULTS[k] for k in OFSD_ONLY})  # the defaults, then the variant's
-    state["config"].update(evolve.parse_overrides(args))
-    with open(state_file, "w") as f:
-        json.dump(state, f)
+    """`src` forked into `dst` as the variant of command line `args` (checkpoint.fork_run): the OFSD
+    settings at their defaults, then the variant's."""
+    checkpoint.fork_run(src, dst, {**{k: evolve.DEFAULTS[k] for k in OFSD_ONLY}, **evolve.parse_overrides(args)})
 
 
 def run_all(jobs, parallel, env):
