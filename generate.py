@@ -43,10 +43,10 @@ class KVCache:
     def max_len(self):
         return self.k.shape[3] - 1
 
-    def attend(self, layer, k, v):
-        """Write a chunk's keys and values (B, Hkv, T, D) to the slots Qwen2.hidden chose for each row
-        (`writing`); returns every slot in use, (B, Hkv, S, D) each."""
-        rows, slots, S = self.writing
+    def write(self, layer, k, v, where):
+        """Write a chunk's keys and values (B, Hkv, T, D) where Qwen2.hidden says: `where` = (rows (B, 1),
+        slots (B, T), slots in use S); returns every slot in use, (B, Hkv, S, D) each."""
+        rows, slots, S = where
         self.k[layer, rows, :, slots] = k.transpose(1, 2)  # (B, T, Hkv, D) into (B, T) slots
         self.v[layer, rows, :, slots] = v.transpose(1, 2)
         return self.k[layer, :, :, :S], self.v[layer, :, :, :S]

@@ -13,12 +13,8 @@ so a group with equal rewards gives no policy gradient. The loss per policy-samp
 with log-probabilities taken from softmax(logits / temperature), the rollout's temperature.
 (The +-20 clamp only keeps exp() finite; the +-10 clamp is veRL's.)
 
-A prompt that several trajectories of a micro-batch share (a group's G siblings) passes the policy
-and the KL model once (pad_shared, SharedPrompt): the rows attend to its keys and values and
-its gradient is their sum, the same loss and gradients as separate copies (tested in float64).
-Micro-batches hold trajectories of similar lengths, as before (on the toy world, keeping a group
-together instead padded more than sharing saved).
-The old log-probabilities are the rollout's recorded ones, so no forward computes them.
+Micro-batches hold trajectories of similar lengths (little padding). The old log-probabilities are
+the rollout's recorded ones, so no forward computes them.
 
 A GRPO round is `steps` steps, each on a fresh rollout batch of the current policy, passed over
 once in `ppo_updates` shuffled mini-batches of whole groups, one optimizer update each: the first
@@ -33,7 +29,6 @@ dynamic sampling and length penalties.
 import contextlib
 import sys
 import time
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -64,52 +59,6 @@ def pad_batch(trajs, pad_id, device):
     return ids, valid, mask, old
 
 
-def pad_shared(trajs, pad_id, device):
-    """`pad_batch` with each distinct prompt once: returns prompts = (ids, valid (P_rows, P), group
-    (B,): the prompt row each trajectory continues) and each trajectory from its prompt's last token
-    on, padded as `pad_batch` pads (the last prompt token predicts the first sampled one; a
-    trajectory's prompt holds no loss positions)."""
-    first = {}  # prompt tokens -> its row
-    group = [first.setdefault(tuple(t.tokens[:t.prompt_len]), len(first)) for t in trajs]
-    p_ids, p_valid = pad_right([list(p[:-1]) for p in first], pad_id, device)  # (P_rows, P)
-    rest = [replace(t, **{k: getattr(t, k)[t.prompt_len - 1:] for k in ("tokens", "loss_mask", "logprobs")})
-            for t in trajs]
-    return (p_ids, p_valid, torch.tensor(group, device=device)), *pad_batch(rest, pad_id, device)
-
-
-class SharedPrompt:
-    """Prompts that several rows continue (a GRPO group's G trajectories share one), computed once.
-
-        shared = SharedPrompt(prompt_ids, prompt_valid, group)   # (P_rows, P) each; group (B,)
-        model.hidden(continuation_ids, valid=..., prefix=shared)  # row b continues group[b]
-
-    In each layer the prompts pass first and their keys and values are kept, with their autograd
-    graph; each continuation row then attends to its prompt's (gathered by `group`) before its own,
-    so the gradient reaching a prompt is the sum over the rows that read it, exactly as if each row
-    had computed the prompt itself."""
-
-    def __init__(self, ids, valid, group):
-        self.ids, self.valid, self.group, self.kv = ids, valid, group, {}
-        self.record = _Record(self.kv)  # what the prompts' stream attends through
-
-    def attend(self, layer, k, v):
-        """Keys and values of a continuation chunk (B, Hkv, T, D): its prompt's, then its own."""
-        pk, pv = self.kv[layer]  # (P_rows, Hkv, P, D)
-        return torch.cat([pk[self.group], k], 2), torch.cat([pv[self.group], v], 2)  # (B, Hkv, P + T, D)
-
-
-class _Record:
-    """The prompts' pass of a SharedPrompt: each layer's keys and values kept (a recomputation
-    under activation checkpointing writes the same ones again)."""
-
-    def __init__(self, kv):
-        self.kv = kv
-
-    def attend(self, layer, k, v):
-        self.kv[layer] = (k, v)
-        return k, v
-
-
 HEAD_CHUNK = 512  # loss positions per LM-head chunk: a (512, V) float32 block at a time (memory, not results)
 
 
@@ -120,19 +69,16 @@ def _head(h, weight, targets, temperature):
     return log_p.gather(-1, targets[:, None]).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
 
 
-def token_logprobs(model, ids, valid, mask, temperature, entropy=False, chunk=HEAD_CHUNK, prompts=None):
+def token_logprobs(model, ids, valid, mask, temperature, entropy=False, chunk=HEAD_CHUNK):
     """log softmax(logits / temperature) of each token where mask is 1: (n_masked,); with
     entropy=True also the entropy -sum_v p log p of each of those distributions: (n_masked,).
-    prompts: `pad_shared`'s (ids, valid, group): each row continues its group's prompt, computed
-    once for all the rows that share it (SharedPrompt).
 
     Logits are computed only at the masked positions, `chunk` rows at a time; with gradients
     each chunk is recomputed in backward (activation checkpointing), so autograd keeps no (n, V)
     tensor: at a real vocabulary (151,936) and 3,000 loss tokens that would be 1.8 GB per copy.
     """
     pred = mask[:, 1:]  # token t is predicted from position t - 1
-    shared = None if prompts is None else SharedPrompt(*prompts)
-    h_sel = model.hidden(ids, valid=valid, select=F.pad(pred, (0, 1)), prefix=shared)  # (n, d)
+    h_sel = model.hidden(ids, valid=valid, select=F.pad(pred, (0, 1)))  # (n, d)
     targets = ids[:, 1:][pred]  # (n,)
     weight, parts = model.lm_head_weight, []
     for c in range(0, len(targets), chunk):
@@ -172,13 +118,13 @@ def grpo_step(model, kl_model, optimizer, trajs, advantages, *, micro_batch, cli
     by_length = sorted(range(len(trajs)), key=lambda i: len(trajs[i].tokens))  # micro-batches pad little
     for s in range(0, len(trajs), micro_batch):
         rows = by_length[s:s + micro_batch]
-        prompts, ids, valid, mask, old = pad_shared([trajs[i] for i in rows], pad_id, device)
+        ids, valid, mask, old = pad_batch([trajs[i] for i in rows], pad_id, device)
         adv = torch.tensor([advantages[i] for i in rows], dtype=torch.float32, device=device)
         adv_tok = adv[:, None].expand_as(mask)[:, 1:][mask[:, 1:]]  # (n,) each token its row's advantage
         old_tok = old[:, 1:][mask[:, 1:]]  # (n,)
         with torch.no_grad(), lora.disabled(model) if kl_model is None else contextlib.nullcontext():
-            kl_tok = token_logprobs(model if kl_model is None else kl_model, ids, valid, mask, temperature, prompts=prompts)
-        logp, entropy = token_logprobs(model, ids, valid, mask, temperature, entropy=True, prompts=prompts)
+            kl_tok = token_logprobs(model if kl_model is None else kl_model, ids, valid, mask, temperature)
+        logp, entropy = token_logprobs(model, ids, valid, mask, temperature, entropy=True)
         loss, pg, kl, clipped = grpo_token_loss(logp, old_tok, kl_tok, adv_tok, clip_ratio, kl_coef,
                                                 entropy, entropy_coef)
         (loss.sum() / n_tokens).backward()

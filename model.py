@@ -143,15 +143,15 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=True)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, mask, kv, layer):
+    def forward(self, x, cos, sin, mask, cache, layer, slots):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        if kv is not None:  # a KV cache or a shared prompt: the keys and values the chunk attends to
-            k, v = kv.attend(layer, k, v)  # (B, Hkv, S, D) each
+        if cache is not None:  # the chunk's keys and values go to their slots; it attends to every slot in use
+            k, v = cache.write(layer, k, v, slots)  # (B, Hkv, S, D) each
         if mask is None:  # plain causal attention: training passes, a right-padded prefill
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_head != self.n_kv)
         else:  # each key-value head's G query heads folded into its rows (query head h reads key-value
@@ -181,15 +181,13 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, kv, layer, select=None, recompute=False):
+    def forward(self, x, cos, sin, mask, cache=None, layer=0, slots=None, select=None, recompute=False):
         if recompute:  # activation checkpointing: keep x only, recompute the layer in backward
-            return checkpoint(self.layer, x, cos, sin, mask, kv, layer, select, use_reentrant=False)
-        return self.layer(x, cos, sin, mask, kv, layer, select)
+            return checkpoint(self.layer, x, cos, sin, mask, cache, layer, slots, select, use_reentrant=False)
+        return self.layer(x, cos, sin, mask, cache, layer, slots, select)
 
-    def layer(self, x, cos, sin, mask, kv, layer, select):
-        if isinstance(x, tuple):  # streams through the same weights, in order (grpo.SharedPrompt)
-            return tuple(self.layer(*a, layer, s) for a, s in zip(zip(x, cos, sin, mask, kv), select or (None,) * len(x)))
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, layer)
+    def layer(self, x, cos, sin, mask, cache, layer, slots, select):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, slots)
         if select is not None:
             x = x[select]  # (n, d): the MLP only where the caller wants an output
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -213,42 +211,36 @@ class Qwen2(nn.Module):
         """The (V, d) output projection (the embedding matrix when tied)."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def hidden(self, input_ids, cache=None, valid=None, positions=None, select=None, prefix=None):
+    def hidden(self, input_ids, cache=None, valid=None, positions=None, select=None):
         """Final-normed hidden states (B, T, d).
 
         valid: (B, T) bool, False for padding (default all True). positions: (B, T) rotary
-        positions (default: count of valid tokens before). cache: a KVCache; valid must be right
-        padding; each row's chunk is appended at the row's own end, attending to all it holds.
-        prefix: prompts the rows continue (grpo.SharedPrompt: ids, valid (P_rows, P), group (B,),
-        `record`, `attend`): row b reads prompt group[b]'s keys and values before its own tokens;
-        the prompts pass each layer in the same call as the rows (as a sharded layer needs).
-        select: (B, T) bool; returns only those positions' states, (n, d) in row-major order, and
-        the last layer's MLP runs only there (training needs outputs only where it has a loss).
+        positions (default: count of valid tokens before). cache: a KV cache (generate.KVCache);
+        valid must be right padding; each row's chunk is appended at the row's own end, attending to
+        all it holds. select: (B, T) bool; returns only those positions' states, (n, d) in
+        row-major order, and the last layer's MLP runs only there (training needs outputs only where
+        it has a loss).
         """
-        x, cos, sin, mask = self._inputs(input_ids, valid, positions, cache, prefix)
-        kv, last = (cache if cache is not None else prefix), select
-        if prefix is not None:  # two streams through every layer: the prompts (recording), then the rows
-            p = self._inputs(prefix.ids, prefix.valid, None, None, None)
-            x, cos, sin, mask = ((a, b) for a, b in zip(p, (x, cos, sin, mask)))
-            kv, last = (prefix.record, prefix), (torch.zeros_like(prefix.valid), select)
+        x, cos, sin, mask, slots = self._inputs(input_ids, valid, positions, cache)
         recompute = self.checkpoint_layers and torch.is_grad_enabled() and cache is None
         n = self.config.num_hidden_layers
         for i, block in enumerate(self.model.layers):
-            x = block(x, cos, sin, mask, kv, i, last if i == n - 1 else None, recompute)
+            x = block(x, cos, sin, mask, cache, i, slots, select if i == n - 1 else None, recompute)
         if cache is not None:
             cache.end += valid.sum(1) if valid is not None else input_ids.shape[1]
-        return self.model.norm(x[1] if prefix is not None else x)
+        return self.model.norm(x)
 
-    def _inputs(self, input_ids, valid, positions, cache, prefix):
-        """A chunk's embeddings (B, T, d), rotary cos and sin (B, 1, T, D), and attention mask
-        (None for plain causal attention, else additive (B, 1, G*T, S)); see `hidden`."""
+    def _inputs(self, input_ids, valid, positions, cache):
+        """A chunk's embeddings (B, T, d), rotary cos and sin (B, 1, T, D), attention mask (None for
+        plain causal attention, else additive (B, 1, G*T, S)) and, with a cache, where each token's
+        keys and values go: (rows (B, 1), slots (B, T), slots in use S); see `hidden`."""
         B, T = input_ids.shape
         dev = input_ids.device
         if valid is None:
             valid = torch.ones(B, T, dtype=torch.bool, device=dev)
         q_slot = torch.arange(T, device=dev).expand(B, T)  # (B, T) each query's key slot
         k_slot = torch.arange(T, device=dev)  # (S,) with S = T
-        key_valid = valid  # (B, S)
+        key_valid, slots = valid, None  # (B, S)
         if positions is None:
             positions = (valid.long().cumsum(1) - 1).clamp(min=0)  # (B, T)
         if cache is not None:  # the chunk continues each row at its own end; its padding goes to the scratch slot
@@ -260,19 +252,13 @@ class Qwen2(nn.Module):
                 raise ValueError(f"KV cache full: a row would hold {S} tokens > max_len {cache.max_len}")
             positions = cache.end[:, None] + torch.arange(T, device=dev)  # (B, T) = the slots
             q_slot = torch.where(valid, positions, cache.max_len)  # (B, T)
-            cache.writing = (torch.arange(B, device=dev)[:, None], q_slot, S)
+            slots = (torch.arange(B, device=dev)[:, None], q_slot, S)
             k_slot = torch.arange(S, device=dev)
             key_valid = k_slot[None, :] < new_end[:, None]  # (B, S)
-        elif prefix is not None:  # keys: the row's prompt (P slots), then its own tokens
-            P = prefix.valid.shape[1]
-            positions = positions + prefix.valid.sum(1)[prefix.group][:, None]  # (B, T)
-            q_slot = q_slot + P
-            k_slot = torch.arange(P + T, device=dev)
-            key_valid = torch.cat([prefix.valid[prefix.group], valid], 1)  # (B, P + T)
         cfg = self.config
         x = self.model.embed_tokens(input_ids)  # (B, T, d)
-        mask = None  # right padding only, no cache or prompt: plain causal attention is exact for every real token
-        if cache is not None or prefix is not None or not bool((valid[:, 1:] <= valid[:, :-1]).all()):
+        mask = None  # right padding only, no cache: plain causal attention is exact for every real token
+        if cache is not None or not bool((valid[:, 1:] <= valid[:, :-1]).all()):
             S = len(k_slot)
             causal = k_slot[None, None, :] <= q_slot[:, :, None]  # (B, T, S)
             # a padding query attends to itself or (in a cache) to its row's tokens: its output is unused
@@ -285,7 +271,7 @@ class Qwen2(nn.Module):
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=dev).float() / cfg.head_dim))
         freqs = positions[:, :, None].float() * inv_freq  # (B, T, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D)
-        return x, emb.cos().to(x.dtype), emb.sin().to(x.dtype), mask
+        return x, emb.cos().to(x.dtype), emb.sin().to(x.dtype), mask, slots
 
     def forward(self, input_ids, cache=None, valid=None, positions=None):
         """Logits (B, T, V)."""

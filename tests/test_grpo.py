@@ -138,30 +138,6 @@ def test_chunked_head_matches_full_logits(agent, tokenizer, search_index):
         assert (p32.grad.double() - p64.grad).abs().max() <= 2e-5 * p64.grad.abs().max(), name  # float32 sums
 
 
-@pytest.mark.parametrize("recompute", [False, True])
-def test_shared_prompt_equals_each_row_alone(agent, tokenizer, search_index, recompute):
-    """Each group's prompt computed once (pad_shared, grpo.SharedPrompt) gives, in float64, the log-probs,
-    entropies and every parameter gradient of each trajectory computed whole, with and without
-    activation checkpointing; the batch also holds two questions' groups of unequal prompt lengths."""
-    trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION, "Ada"], G=3, temperature=1.0,
-                generator=torch.Generator().manual_seed(5))
-    assert len({t.prompt_len for t in trajs}) == 2
-    models = [copy.deepcopy(agent).double() for _ in range(2)]
-    models[1].checkpoint_layers = recompute
-    ids, valid, mask, _ = grpo.pad_batch(trajs, 0, "cpu")
-    prompts, c_ids, c_valid, c_mask, _ = grpo.pad_shared(trajs, 0, "cpu")
-    assert prompts[0].shape[0] == 2 and prompts[2].tolist() == [0, 0, 0, 1, 1, 1]
-    w = torch.linspace(-1, 1, int(mask[:, 1:].sum()), dtype=torch.float64)  # a loss that weighs every token
-    out = []
-    for model, args in zip(models, [(ids, valid, mask), (c_ids, c_valid, c_mask)]):
-        lp, ent = grpo.token_logprobs(model, *args, 0.8, entropy=True, prompts=None if model is models[0] else prompts)
-        (w @ lp + w @ ent).backward()
-        out.append((lp, ent))
-    assert (out[0][0] - out[1][0]).abs().max() <= 1e-12 and (out[0][1] - out[1][1]).abs().max() <= 1e-12
-    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
-        assert (a.grad - b.grad).abs().max() <= 1e-12 * max(1.0, a.grad.abs().max()), (name, (a.grad - b.grad).abs().max().item())
-
-
 def test_clip_indicator_between_the_two_thresholds():
     """A ratio of 1.3 or 0.75 is clipped at clip_ratio 0.2 and not at 0.4; 1.1 and 1.0 at neither."""
     logp = torch.zeros(4)
