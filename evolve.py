@@ -246,30 +246,27 @@ def main():
                 lora.merge_trained(policy, adapter, chain["adapters"][-1])
         elif kind == "ofsd":
             # the round needs neither the KL model nor GRPO's gradients and AdamW moments: they go for
-            # its length (for the real 0.5B, 8 GB of float32); the moments to a file and back, the KL
-            # model comes again at the next GRPO round
+            # its length (for the real 0.5B, 8 GB of float32); the moments to a file and back (a file that
+            # goes with this checkpoint), the KL model comes again at the next GRPO round
             kl_model = None
-            parked = os.path.join(ckpt_dir, f"parked-optimizer{rank}.pt")  # goes with this checkpoint
-            if optimizer is not None:
-                fsdp.park(optimizer, parked)
-            record(None, f"ofsd | it {it} | mining {ofsd_questions} questions x {group_size}")
-            pairs = ofsd.mine_round(policy, tokenizer, index, sample_questions(ofsd_questions), group_size=group_size,
-                                    rollout_args=rollout_args, generator=gen, ofsd_students=ofsd_students)
-            gap = teacher_gap.before_round(policy, tokenizer, index, pairs, rollout_args, kl_chunk, ofsd_context)
-            m = ofsd.distill(
-                policy, tokenizer, pairs, ofsd_loss=ofsd_loss, kl_weight=ofsd_kl_weight, lora_rank=lora_rank,
-                lora_alpha=lora_alpha, lora_lr=lora_lr, lora_epochs=lora_epochs, ofsd_micro_batch=ofsd_micro_batch,
-                tau_clip=tau_clip, ofsd_clip=ofsd_clip, ofsd_context=ofsd_context, ofsd_positions=ofsd_positions,
-                max_grad_norm=max_grad_norm, kl_chunk=kl_chunk,
-                seed=seed * 7919 + r,  # the pairs' order, per seed and round; the prime keeps (seed, round) pairs apart
-                log=lambda epoch, n, loss: record(
-                    None, f"ofsd | it {it} | epoch {epoch} | step {n:4d} | loss {loss:.5f}"),
-                adapter_dir=os.path.join(out_dir, "adapters", f"{r:02d}-ofsd") if chain else None)
-            m.update(gap, **teacher_gap.after_round(policy, tokenizer, index, pairs, rollout_args))
+            with fsdp.parked(optimizer, os.path.join(ckpt_dir, f"parked-optimizer{rank}.pt")):
+                record(None, f"ofsd | it {it} | mining {ofsd_questions} questions x {group_size}")
+                pairs = ofsd.mine_round(policy, tokenizer, index, sample_questions(ofsd_questions),
+                                        group_size=group_size, rollout_args=rollout_args, generator=gen,
+                                        ofsd_students=ofsd_students)
+                gap = teacher_gap.before_round(policy, tokenizer, index, pairs, rollout_args, kl_chunk, ofsd_context)
+                m = ofsd.distill(
+                    policy, tokenizer, pairs, ofsd_loss=ofsd_loss, kl_weight=ofsd_kl_weight, lora_rank=lora_rank,
+                    lora_alpha=lora_alpha, lora_lr=lora_lr, lora_epochs=lora_epochs, ofsd_micro_batch=ofsd_micro_batch,
+                    tau_clip=tau_clip, ofsd_clip=ofsd_clip, ofsd_context=ofsd_context, ofsd_positions=ofsd_positions,
+                    max_grad_norm=max_grad_norm, kl_chunk=kl_chunk,
+                    seed=seed * 7919 + r,  # the pairs' order, per seed and round (the prime keeps them apart)
+                    log=lambda epoch, n, loss: record(
+                        None, f"ofsd | it {it} | epoch {epoch} | step {n:4d} | loss {loss:.5f}"),
+                    adapter_dir=os.path.join(out_dir, "adapters", f"{r:02d}-ofsd") if chain else None)
+                m.update(gap, **teacher_gap.after_round(policy, tokenizer, index, pairs, rollout_args))
             if chain and m["losses"]:  # a round that mined no pair trained no adapter
                 chain["adapters"].append(os.path.join(out_dir, "adapters", f"{r:02d}-ofsd"))
-            if optimizer is not None:
-                fsdp.unpark(optimizer, parked)
             row.update({k: v for k, v in m.items() if k != "losses"})  # counts, KL, diagnostics
             record(dict(kind="ofsd_round", **row, losses=m["losses"]), ofsd_line(row, m))
         with fsdp.gathered(policy):  # each rank its share of the test questions, weights gathered once

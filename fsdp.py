@@ -186,6 +186,17 @@ def park(optimizer, path):
     trim_host_memory()
 
 
+@contextlib.contextmanager
+def parked(optimizer, path):
+    """A phase that does not step `optimizer` (None: nothing to park): its state waits in `path`
+    meanwhile (`park`, `unpark`)."""
+    if optimizer is not None:
+        park(optimizer, path)
+    yield
+    if optimizer is not None:
+        unpark(optimizer, path)
+
+
 def unpark(optimizer, path):
     """Give the optimizer state back what `park` wrote to `path`, then remove the file."""
     saved = iter(torch.load(path, weights_only=True))
