@@ -1,19 +1,19 @@
-"""Batched generation with a preallocated KV cache: prefill, sampling, and turns that stop on
-ids or strings, each sampled token's log-probability recorded (what GRPO's pi_old is).
+"""Decoding: a preallocated KV cache, prefill, sampling, and turns that stop on ids or strings, each
+sampled token's log-probability recorded (what GRPO's pi_old is), behind one call (`decode`).
 
     KVCache                        keys/values of every layer, (L, B, H_kv, max_len + 1, D), and per
                                    row how many tokens it holds; model.hidden appends at each row's end
 
     extend(model, cache, chunks)   append token lists (one per row, ragged) to the cache: the
                                    prefill, the forced tokens of retrieved text, a decoding step
-    sample(logits, T, top_p, gen)  one token per row from softmax(logits / T) restricted to the
-                                   smallest set of mass >= top_p (renormalised), by inverse CDF
-                                   (over the vocabulary, or over the nucleus in descending order);
-                                   the recorded log-prob is log softmax(logits / T) of the token;
-                                   `draw` is the same given each row's uniform
-    sample_turn(...)               sample until a stop id, a stop string, or max_new_tokens; the
-                                   forward runs over the rows still writing (moved to the cache's front)
-    generate(...)                  prompts -> new tokens, log-probs, stop reasons
+    draw(logits, T, top_p, u)      one token per row from softmax(logits / T) restricted to the
+                                   smallest set of mass >= top_p (renormalised), by inverse CDF at
+                                   the row's own uniform; the recorded log-prob is log softmax(logits / T)
+    decode(...)                    the engine: G continuations of each prompt, turn by turn, each
+                                   trajectory drawing from its own row of uniforms; the caller's
+                                   turn_end says what each row reads next (an observation) or stop;
+                                   continuous batching over a bounded number of cache rows
+    generate(...)                  prompts -> one turn each: new tokens, log-probs, stop reasons
 
 Left out: beam search, speculative decoding, repetition penalties, paged attention.
 
@@ -84,11 +84,6 @@ class KVCache:
         self.k[:, idx, :, :s], self.v[:, idx, :, :s] = sub.k[:, src, :, :s], sub.v[:, src, :, :s]
         self.end[idx] = sub.end[src]
 
-    def front(self, n):
-        """A cache over rows 0..n-1 of this one: views of the same buffers, so what the model appends
-        to it lands here."""
-        return KVCache._of(self.k[:, :n], self.v[:, :n], self.end[:n])
-
     @staticmethod
     def _of(k, v, end):
         """A cache over the given tensors (views of another cache's, or new ones)."""
@@ -136,20 +131,10 @@ def extend(model, cache, chunks, logits=None):
 NUCLEUS_CANDIDATES = 256  # top-p looks for its nucleus among this many most likely tokens first
 
 
-def sample(logits, temperature, top_p, generator, rows=None):
-    """Pick one token per row; returns (tokens (B,), log p(token) under softmax(logits / T)).
-    `rows` (b,): draw for those rows only (returns (b,) each); the generator still advances by one
-    uniform per row of `logits`, so what a row draws does not depend on which others are drawn."""
-    u = None
-    if temperature > 0:  # one uniform per row, drawn for every row
-        u = torch.rand(logits.shape[0], 1, generator=generator, device=logits.device, dtype=logits.dtype)  # (B, 1)
-    if rows is not None:
-        logits, u = logits[rows], (u[rows] if u is not None else None)  # (b, V), (b, 1)
-    return draw(logits, temperature, top_p, u)
-
-
 def draw(logits, temperature, top_p, u):
-    """`sample` given each row's uniform u (B, 1) (None when temperature is 0: the argmax)."""
+    """One token per row and its log-probability, (B,) each: from softmax(logits / T) restricted to
+    the smallest set of mass >= top_p (renormalised), by inverse CDF at each row's uniform u (B, 1);
+    the log-prob is log softmax(logits / T) of the token. temperature 0 (u None): the argmax."""
     if temperature == 0:
         tok = logits.argmax(-1)
         logp = torch.log_softmax(logits, -1)
@@ -187,69 +172,100 @@ def _nucleus_draw(sp, si, top_p, u):
 
 
 @torch.no_grad()
-def sample_turn(model, tokenizer, cache, logits, active, max_new_tokens, *, temperature=0.0, top_p=1.0,
-                generator=None, stop_ids=(), stop_strings=()):
-    """Sample up to `max_new_tokens` per active row, each appended to the cache as it is drawn.
+def decode(model, tokenizer, prompts, group_size, turn_end, *, max_len, max_turn_tokens, temperature, top_p,
+           uniforms=None, rows=0, stop_strings=(), stop_ids=None):
+    """The engine: `group_size` continuations of each prompt (trajectory i continues prompt i // G),
+    decoded turn by turn through one KV cache of `rows` rows (whole groups; 0 = every trajectory).
 
-    A row stops after a stop id, once its new text contains a stop string (the token that
-    completes it is kept), or at the cap. Returns (tokens, logprobs, reasons, logits): per row the
-    new token ids, the log-probability of each (see `sample`), why it stopped ("stop_id",
-    "stop_string", "length" or None for inactive rows), and next-token logits (B, V).
-
-    The forward pass runs only over the front of the cache: when at most half of the rows it
-    computes are still going, those rows are moved to the front (`KVCache.reorder`), so a row that
-    closed its search after 40 tokens does not decode on while another writes 200. The rows are put
-    back in order before returning. The generator still advances by one uniform per row and step, as
-    if no row had stopped, so what a row draws does not depend on when the others stop.
-    """
-    B = logits.shape[0]
-    active = list(active)
-    toks, lps, reasons = [[] for _ in range(B)], [[] for _ in range(B)], [None] * B
-    stop_ids = set(stop_ids)
-    window = max((len(s) for s in stop_strings), default=0) + 1
-    dev = cache.end.device
-    held = list(range(B))  # the batch row in each cache row; the forward computes the first n
-    n, work, logits = B, cache, logits.clone()  # (B, V)
-    for _ in range(max_new_tokens):
-        going = [i for i in held[:n] if active[i]]
-        if not going:
-            break
-        if len(going) <= n // 2:  # compact: the going rows to the front, the forward over them only
-            pos = {r: j for j, r in enumerate(held[:n])}
-            held[:n] = going + [i for i in held[:n] if not active[i]]
-            cache.reorder([pos[r] for r in held[:n]])
-            n, work = len(going), cache.front(len(going))
-        fed = torch.tensor([active[i] for i in held[:n]], device=dev)  # (n,) the going rows
-        tok, lp = sample(logits, temperature, top_p, generator, rows=torch.tensor(going, device=dev))  # (g,) each
-        for i, t, lp_i in zip(going, tok.tolist(), lp.tolist()):
-            toks[i].append(t)
-            lps[i].append(lp_i)
+    Trajectory i samples its k-th token at its own uniform uniforms[i, k] (None: greedy), whichever
+    rows share its batch and whenever they stop. A turn ends at a stop id (default: the tokenizer's
+    end-of-turn ids; the token is dropped, never in the cache or the turn), once the turn's text
+    holds a stop string, or after max_turn_tokens. Then `turn_end([(i, tokens, logprobs, reason)])`
+    is called with every trajectory whose turn ended at this step and returns {i: the tokens it reads
+    next (the environment's: fed to the cache, and the next turn starts), or None (finished)}.
+    A question's G rows enter as soon as G rows are free (its prompt prefilled once, copied to them),
+    so the cache stays full while questions wait; when none waits, finished rows leave the forward
+    once they are half of the cache. max_len: the most tokens a row may hold."""
+    G, N = group_size, len(prompts) * group_size
+    stop_ids = set(tokenizer.eos_ids if stop_ids is None else stop_ids)
+    size = max(G, rows // G * G) if rows else N
+    cache = new_cache(model, min(size, N), max_len)
+    held = [None] * len(cache.end)  # the trajectory in each cache row; None when free or finished
+    logits = torch.zeros(len(held), model.config.vocab_size, device=cache.end.device)  # (rows, V) next-token logits
+    waiting = 0  # the first prompt not yet in the cache
+    drawn = [0] * N  # tokens each trajectory has sampled
+    turn_toks, turn_lps = [[] for _ in range(N)], [[] for _ in range(N)]  # its turn so far
+    window = max((len(x) for x in stop_strings), default=0) + 1
+    while waiting < len(prompts) or any(i is not None for i in held):
+        free = [r for r, i in enumerate(held) if i is None] if waiting < len(prompts) else []
+        k = min(len(free) // G, len(prompts) - waiting)  # prompts that enter now, G rows each
+        if k:
+            entering = prompts[waiting:waiting + k]
+            sub = new_cache(model, k, max(map(len, entering)))
+            new = extend(model, sub, entering)  # (k, V): each prompt prefilled once
+            at = free[:k * G]
+            cache.put(at, sub, [j // G for j in range(k * G)])  # copied to its G rows
+            logits[at] = new.repeat_interleave(G, dim=0)  # (k*G, V)
+            for j, r in enumerate(at):
+                held[r] = waiting * G + j
+            waiting += k
+        going = [r for r, i in enumerate(held) if i is not None]
+        if waiting == len(prompts) and len(going) <= len(held) // 2:  # finished rows leave, half at a time
+            cache.keep(going)
+            logits, held = logits[going], [held[r] for r in going]  # (b, V)
+            going = list(range(len(held)))
+        ids = [held[r] for r in going]
+        u = None if uniforms is None else uniforms[ids, [drawn[i] for i in ids]][:, None]  # (g, 1)
+        tok, lp = draw(logits[going], temperature, top_p, u)  # (g,) each
+        step = [[] for _ in held]  # per cache row: the token it decodes now (none: turn over, or finished)
+        ended = {}  # cache row -> (the sampled token its cache still needs before what follows, the reason)
+        for r, i, t, l in zip(going, ids, tok.tolist(), lp.tolist()):
+            drawn[i] += 1
             if t in stop_ids:
-                reasons[i] = "stop_id"
-            elif stop_strings and any(s in tokenizer.decode(toks[i][-window:]) for s in stop_strings):
-                reasons[i] = "stop_string"
-            elif len(toks[i]) == max_new_tokens:
-                reasons[i] = "length"
-            active[i] = reasons[i] is None
-        ids = torch.zeros(n, 1, dtype=torch.long, device=dev)  # (n, 1): padding in the rows not going
-        ids[fed, 0] = tok
-        h = model.hidden(ids, work, fed[:, None])  # (n, 1, d)
-        logits[going] = F.linear(h[fed, 0], model.lm_head_weight).float()  # (g, V)
-    if n < B:  # every row back to its own place
-        cache.reorder(sorted(range(B), key=held.__getitem__))  # row i <- the cache row that holds i
-    return toks, lps, reasons, logits
+                ended[r] = ([], "stop_id")
+                continue
+            turn_toks[i].append(t)
+            turn_lps[i].append(l)
+            if stop_strings and any(x in tokenizer.decode(turn_toks[i][-window:]) for x in stop_strings):
+                ended[r] = ([t], "stop_string")
+            elif len(turn_toks[i]) == max_turn_tokens:
+                ended[r] = ([t], "length")
+            else:
+                step[r] = [t]
+        chunks = {}  # cache rows that go on: what they read next
+        if ended:
+            nxt = turn_end([(held[r], turn_toks[held[r]], turn_lps[held[r]], why) for r, (_, why) in ended.items()])
+            for r in ended:
+                i = held[r]
+                turn_toks[i], turn_lps[i] = [], []
+                if nxt[i] is None:
+                    held[r] = None
+                else:
+                    chunks[r] = nxt[i]
+        logits = extend(model, cache, step, logits)  # a decoding step of the rows still writing
+        if chunks:  # rows whose turn ended read what follows, in a cache of their own
+            at = sorted(chunks)
+            feed = [ended[r][0] + chunks[r] for r in at]  # (the turn's last token when the cache lacks it)
+            sub = cache.take(at, max(map(len, feed)))
+            logits[at] = extend(model, sub, feed)  # (b, V)
+            cache.put(at, sub)
 
 
 def generate(model, tokenizer, prompts, max_new_tokens, *, temperature=0.0, top_p=1.0, generator=None,
              stop_ids=None, stop_strings=()):
-    """Batched generation for ragged prompts (lists of token ids) -> (tokens, logprobs, reasons)."""
-    cache = new_cache(model, len(prompts), max(len(p) for p in prompts) + max_new_tokens + 1)
-    logits = extend(model, cache, prompts)
-    toks, lps, reasons, _ = sample_turn(
-        model, tokenizer, cache, logits, [True] * len(prompts), max_new_tokens,
-        temperature=temperature, top_p=top_p, generator=generator,
-        stop_ids=tokenizer.eos_ids if stop_ids is None else stop_ids, stop_strings=stop_strings)
-    return toks, lps, reasons
+    """One turn for each of the ragged prompts (lists of token ids) -> (tokens, logprobs, reasons):
+    `decode` with one row a prompt and a turn_end that finishes every row."""
+    u = None if temperature == 0 else torch.rand(len(prompts), max_new_tokens, generator=generator,
+                                                   device=model.model.embed_tokens.weight.device)
+    out = {}
+
+    def turn_end(ended):
+        out.update({i: (toks, lps, why) for i, toks, lps, why in ended})
+        return {i: None for i, *_ in ended}
+    decode(model, tokenizer, prompts, 1, turn_end, max_len=max(map(len, prompts)) + max_new_tokens + 1,
+           max_turn_tokens=max_new_tokens, temperature=temperature, top_p=top_p, uniforms=u,
+           stop_strings=stop_strings, stop_ids=stop_ids)
+    return tuple(list(x) for x in zip(*(out[i] for i in range(len(prompts)))))
 
 
 if __name__ == "__main__":

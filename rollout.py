@@ -181,93 +181,46 @@ def rollout(model, tokenizer, retriever, questions, group_size, *, max_turns, ma
 
 def _rollout(model, tokenizer, retriever, questions, contexts, G, u, *, rollout_rows, max_turns, max_turn_tokens,
              max_obs_tokens, top_k, temperature, top_p, search_workers):
-    """`rollout` with u (N, (max_turns + 1) * max_turn_tokens) the trajectories' uniforms. The KV
-    cache holds rollout_rows rows (whole groups; 0 = every trajectory): a question's G rows enter
-    once G rows are free (its prompt prefilled once and copied), so the batch stays full while
-    questions wait; when none waits, finished rows leave once they are half of the cache."""
+    """`rollout` with u (N, (max_turns + 1) * max_turn_tokens) the trajectories' uniforms."""
     prompts = [tokenizer.encode(tokenizer.chat_prompt(make_prompt(q) + c)) for q, c in zip(questions, contexts)]
     trajs = [Trajectory(q, len(p)) for q, p in zip(questions, prompts) for _ in range(G)]
     for t, p in zip(trajs, (p for p in prompts for _ in range(G))):
         t.add(p, sampled=False)
     invalid_ids = tokenizer.encode(INVALID)
-    max_len = max(map(len, prompts)) + max_response_tokens(
-        tokenizer, max_turns=max_turns, max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens)
-    N, cap = len(trajs), max_turn_tokens
-    size = max(G, rollout_rows // G * G) if rollout_rows else N  # cache rows
-    cache = generate.new_cache(model, min(size, N), max_len)
-    rows = [None] * len(cache.end)  # the trajectory in each cache row; None when free or finished
-    logits = torch.zeros(len(rows), model.config.vocab_size, device=cache.end.device)  # (rows, V) next-token logits
-    waiting = 0  # the first question not yet in the cache
-    drawn = [0] * N  # tokens each trajectory has sampled
-    turn_toks, turn_lps = [[] for _ in trajs], [[] for _ in trajs]  # what each wrote in its turn so far
-    window = max(map(len, STOP_STRINGS)) + 1
-    while waiting < len(questions) or any(i is not None for i in rows):
-        free = [r for r, i in enumerate(rows) if i is None] if waiting < len(questions) else []
-        k = min(len(free) // G, len(questions) - waiting)  # questions that enter now, G rows each
-        if k:
-            entering = prompts[waiting:waiting + k]
-            sub = generate.new_cache(model, k, max(map(len, entering)))
-            new = generate.extend(model, sub, entering)  # (k, V) prefill once per question
-            at = free[:k * G]
-            cache.put(at, sub, [j // G for j in range(k * G)])  # each prompt copied to its G rows
-            logits[at] = new.repeat_interleave(G, dim=0)  # (k*G, V)
-            for j, r in enumerate(at):
-                rows[r] = waiting * G + j
-            waiting += k
-        going = [r for r, i in enumerate(rows) if i is not None]
-        if waiting == len(questions) and len(going) <= len(rows) // 2:  # finished rows leave, half at a time
-            cache.keep(going)
-            logits, rows = logits[going], [rows[r] for r in going]  # (b, V)
-            going = list(range(len(rows)))
-        ids = [rows[r] for r in going]
-        ui = None if u is None else u[ids, [drawn[i] for i in ids]][:, None]  # (g, 1)
-        tok, lp = generate.draw(logits[going], temperature, top_p, ui)  # (g,) each
-        step = [[] for _ in rows]  # per cache row: the token it decodes now (none: turn over, or finished)
-        ended = {}  # cache row -> the sampled token its cache still needs before what the environment adds
-        for r, i, t, l in zip(going, ids, tok.tolist(), lp.tolist()):
-            drawn[i] += 1
-            if t in tokenizer.eos_ids:  # Search-R1 decodes turns without special tokens: not kept anywhere
-                ended[r] = []
-                continue
-            turn_toks[i].append(t)
-            turn_lps[i].append(l)
-            if any(s in tokenizer.decode(turn_toks[i][-window:]) for s in STOP_STRINGS) or len(turn_toks[i]) == cap:
-                ended[r] = [t]
-            else:
-                step[r] = [t]
-        searching, chunks = [], {}  # rows whose turn ended and that go on: what they read next
-        for r, last in ended.items():
-            i = rows[r]
-            t, text = trajs[i], tokenizer.decode(turn_toks[i])
-            t.add(turn_toks[i], sampled=True, logprobs=turn_lps[i])
+
+    def turn_end(ended):
+        """The Search-R1 turn: answer (done), search (the observation next), neither (the invalid-action
+        message next); after max_turns searching turns, the answer-only turn ends the trajectory."""
+        nxt, searching = {}, []
+        for i, toks, lps, _ in ended:  # an end-of-turn token is never among toks (Search-R1 skips it)
+            t, text = trajs[i], tokenizer.decode(toks)
+            t.add(toks, sampled=True, logprobs=lps)
             t.model_text += text
             t.n_turns += 1
             t.answer = extract_answer(t.model_text)
-            turn_toks[i], turn_lps[i] = [], []
-            m = ACTION.search(text)
+            m = ACTION.search(text)  # the first <search>q</search> or <answer>a</answer> of the turn
             if m and m.group(1) == "answer":
-                t.stop, rows[r] = "answer", None
+                t.stop, nxt[i] = "answer", None
             elif t.n_turns == max_turns + 1:
-                t.stop, rows[r] = "final_turn_without_answer", None
+                t.stop, nxt[i] = "final_turn_without_answer", None
             elif m:
                 t.queries.append(m.group(2).strip())
-                searching.append(r)
+                searching.append(i)
             else:
-                chunks[r] = invalid_ids
-        if searching:
-            hits = retriever.search([trajs[rows[r]].queries[-1] for r in searching], top_k,  # one batched call
-                                    workers=search_workers)
-            for r, h in zip(searching, hits):
-                chunks[r] = tokenizer.encode(observation([retriever.doc(d) for d, _ in h]))[:max_obs_tokens]
-        logits = generate.extend(model, cache, step, logits)  # a decoding step of the rows still writing
-        if chunks:  # rows that ended a turn read what the environment returned, in a cache of their own
-            at = sorted(chunks)
-            feed = [ended[r] + chunks[r] for r in at]  # (the turn's last token when the cache lacks it)
-            sub = cache.take(at, max(map(len, feed)))
-            logits[at] = generate.extend(model, sub, feed)  # (b, V)
-            cache.put(at, sub)
-            for r in at:
-                trajs[rows[r]].add(chunks[r], sampled=False)
+                nxt[i] = invalid_ids
+        if searching:  # one batched call for every row that searches now
+            hits = retriever.search([trajs[i].queries[-1] for i in searching], top_k, workers=search_workers)
+            for i, h in zip(searching, hits):
+                nxt[i] = tokenizer.encode(observation([retriever.doc(d) for d, _ in h]))[:max_obs_tokens]
+        for i, ids in nxt.items():
+            if ids is not None:
+                trajs[i].add(ids, sampled=False)  # loss_mask 0: the environment's tokens
+        return nxt
+
+    max_len = max(map(len, prompts)) + max_response_tokens(
+        tokenizer, max_turns=max_turns, max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens)
+    generate.decode(model, tokenizer, prompts, G, turn_end, max_len=max_len, max_turn_tokens=max_turn_tokens,
+                    temperature=temperature, top_p=top_p, uniforms=u, rows=rollout_rows, stop_strings=STOP_STRINGS)
     return trajs
 
 

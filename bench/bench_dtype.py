@@ -2,7 +2,7 @@
 
 For the checkpoint given (--checkpoint or QWEN_CHECKPOINT), each dtype in turn, in one run:
   prefill    generate.extend of B prompts of T tokens into an empty KV cache: prompt tokens/s
-  decode     generate.sample_turn steps at each batch size after a 256-token prefill, sampling as the
+  decode     generate.generate steps at each batch size after a 256-token prefill, sampling as the
              loop does (temperature 1, top-p 0.95), every row generating: new tokens/s
   GRPO pass  grpo.token_logprobs (log-probs and entropy at the policy's tokens) forward + backward
              over a batch of trajectories, a sixth of each the policy's tokens: seconds. float32 is a
@@ -55,13 +55,16 @@ def prefill(model, batch, length):
 
 @torch.no_grad()
 def decode(model, tokenizer, batch, steps, prompt=256):
-    """New tokens/s of `steps` sampled tokens per row (after an untimed prefill), every row generating."""
-    cache = generate.new_cache(model, batch, prompt + steps + 1)
-    logits = generate.extend(model, cache, prompts(model.config.vocab_size, batch, prompt, 1))
+    """New tokens/s of `steps` sampled tokens per row, every row generating (the prefill's time, measured
+    alone on the same prompts, taken off)."""
+    p = prompts(model.config.vocab_size, batch, prompt, 1)
+    cache = generate.new_cache(model, batch, prompt + 1)
     t0 = time.perf_counter()
-    generate.sample_turn(model, tokenizer, cache, logits, [True] * batch, steps, temperature=1.0, top_p=0.95,
-                         generator=torch.Generator().manual_seed(0), stop_ids=())
-    return batch * steps / (time.perf_counter() - t0)
+    generate.extend(model, cache, p)
+    t1 = time.perf_counter()
+    generate.generate(model, tokenizer, p, steps, temperature=1.0, top_p=0.95,
+                      generator=torch.Generator().manual_seed(0), stop_ids=())
+    return batch * steps / (time.perf_counter() - t1 - (t1 - t0))
 
 
 def grpo_pass(model, batch, length):

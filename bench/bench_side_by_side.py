@@ -18,7 +18,7 @@ by wrapping the functions every version calls:
   linears     torch.nn.functional.linear on a decoder weight: 2 x rows x in x out FLOPs
   LM head     the same on the (V, d) output weight
   attention   scaled_dot_product_attention: 4 x B x H x T x S x D FLOPs (scores and values)
-  sampling    generate.sample / generate.draw (the softmax, top-p, inverse CDF over V = 152k)
+  sampling    generate.draw (the softmax, top-p, inverse CDF over V = 152k)
   retrieval   the index's batched search
   the rest    the wall time none of these took: Python, masks, KV-cache copies
 In the train phase the wrappers see the forward passes only: the backward's time is in "the rest".

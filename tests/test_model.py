@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from generate import extend, generate, new_cache, sample, sample_turn
+from generate import decode, draw, extend, generate, new_cache
 
 from model import load, save
 from conftest import random_model, tiny_config
@@ -158,30 +158,33 @@ def test_stop_strings_and_ids(tiny_checkpoint, tokenizer):
     assert reasons[1] == "stop_id" and len(toks[1]) <= 4
 
 
-def test_turn_decodes_only_the_rows_still_going(tiny_checkpoint, tokenizer):
-    """Rows that never start or stop early leave the turn's forward; each row's tokens, logits and cache equal it alone."""
+def test_engine_rows_equal_each_row_alone(tiny_checkpoint, tokenizer):
+    """decode over 4 cache rows for 8 trajectories (4 prompts x 2) of two turns each, an environment chunk
+    between them, gives each trajectory the tokens and log-probs it samples alone with its own uniforms:
+    no row reads another row's cache, uniforms or turn."""
     model, _ = load(tiny_checkpoint)
     prompts = [tokenizer.encode(tokenizer.chat_prompt(q)) for q in
-               ["who founded Paris?", "which river", "Ada Lovelace was born where?", "a lake", "the mountain"]]
-    active = [True, False, True, False, False]  # 2 of 5 going: the forward moves them to the front at once
-    free = generate(model, tokenizer, prompts, 24, stop_ids=[])[0]  # greedy, no stops
-    stop = {free[2][2]}  # row 2 stops at its third token at the latest: row 0 is then decoded alone
-    cache = new_cache(model, 5, max(map(len, prompts)) + 24 + 2)
-    logits = extend(model, cache, prompts)
-    start = logits.clone()
-    toks, lps, reasons, after = sample_turn(model, tokenizer, cache, logits, active, 24, stop_ids=stop)
-    more = extend(model, cache, [[7, 8]] * 5, after)  # the cache rows are back in their places
-    for i, p in enumerate(prompts):
-        want = next((free[i][:j + 1] for j, t in enumerate(free[i]) if t in stop), free[i]) if active[i] else []
-        assert toks[i] == want and len(lps[i]) == len(want)
-        with torch.no_grad():
-            full = model(torch.tensor([p + toks[i] + [7, 8]]))[0]  # (T, V)
-        if active[i]:
-            assert (after[i] - full[-3]).abs().max() <= 1e-4
-        else:
-            assert torch.equal(after[i], start[i]) and reasons[i] is None
-        assert (more[i] - full[-1]).abs().max() <= 1e-4
-    assert len(toks[2]) <= 3 < len(toks[0])
+               ["who founded Paris?", "which river", "Ada Lovelace was born where?", "a lake"]]
+    u = torch.rand(8, 40, generator=torch.Generator().manual_seed(2))
+
+    def run(ps, G, uniforms, rows):
+        turns = {}
+
+        def turn_end(ended):
+            nxt = {}
+            for i, toks, lps, why in ended:
+                turns.setdefault(i, []).append((toks, [round(x, 4) for x in lps], why))
+                nxt[i] = [7, 8, 9] if len(turns[i]) == 1 else None  # a chunk after the first turn, then stop
+            return nxt
+        decode(model, tokenizer, ps, G, turn_end, max_len=max(map(len, ps)) + 2 * 21 + 3, max_turn_tokens=20,
+               temperature=1.0, top_p=0.9, uniforms=uniforms, rows=rows, stop_ids=range(0, 400, 9))
+        return turns
+    together = run(prompts, 2, u, 4)
+    assert len({len(t[0][0]) for t in together.values()}) > 2  # turns of different lengths: rows out of step
+    assert {why for t in together.values() for _, _, why in t} == {"stop_id", "length"}
+    for i in range(8):
+        assert run([prompts[i // 2]], 1, u[i:i + 1], 0)[0] == together[i], i
+    assert together[1] != together[0]  # two samples of one prompt differ: each drew from its own uniforms
 
 
 def test_save_roundtrip_and_sharded_load(tmp_path, tiny_checkpoint):
@@ -213,7 +216,7 @@ def test_bf16_stays_bf16(tiny_checkpoint):
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 0.8), (0.7, 0.95), (1.3, 1.0)])
 def test_sampler_draws_the_renormalised_nucleus(temperature, top_p):
-    """sample(): tokens follow softmax(logits / T) restricted to the smallest set of mass >= top_p,
+    """draw(): tokens follow softmax(logits / T) restricted to the smallest set of mass >= top_p,
     renormalised; nothing outside it is drawn (200,000 draws, each frequency within 5 sigma)."""
     logits = torch.tensor([2.0, 1.5, 1.0, 0.6, 0.0, -1.0, -3.0])
     p = torch.softmax(logits.double() / temperature, -1)
@@ -222,7 +225,7 @@ def test_sampler_draws_the_renormalised_nucleus(temperature, top_p):
     keep[order[(p[order].cumsum(0) - p[order]) < top_p]] = True  # the nucleus (top_p = 1: every token)
     want = torch.where(keep, p, 0.0) / p[keep].sum()
     n = 200_000
-    tok, logp = sample(logits.repeat(n, 1), temperature, top_p, torch.Generator().manual_seed(0))
+    tok, logp = draw(logits.repeat(n, 1), temperature, top_p, torch.rand(n, 1, generator=torch.Generator().manual_seed(0)))
     freq = torch.bincount(tok, minlength=len(logits)).double() / n
     assert (freq[~keep] == 0).all()
     assert ((freq - want).abs() <= 5 * (want * (1 - want) / n).sqrt() + 1e-12).all(), (freq, want)
@@ -231,13 +234,13 @@ def test_sampler_draws_the_renormalised_nucleus(temperature, top_p):
 
 @pytest.mark.parametrize("candidates", [2, 4, 7])
 def test_sampler_nucleus_beyond_its_candidates(monkeypatch, candidates):
-    """sample(): the nucleus is the same whether it lies among the top-k candidates or past them
+    """draw(): the nucleus is the same whether it lies among the top-k candidates or past them
     (those rows sorted whole), in one batch that mixes both kinds of row (5 sigma)."""
     monkeypatch.setattr("generate.NUCLEUS_CANDIDATES", candidates)
     rows = torch.tensor([[4.0, 3.0, 0.5, 0.2, 0.0, -1.0, -3.0],   # peaked: a nucleus of 2 tokens
                          [0.3, 0.2, 0.2, 0.1, 0.0, -0.1, -0.2]])  # flat: a nucleus of 6 tokens
     top_p, n = 0.9, 100_000
-    tok, _ = sample(rows.repeat(n, 1), 1.0, top_p, torch.Generator().manual_seed(0))
+    tok, _ = draw(rows.repeat(n, 1), 1.0, top_p, torch.rand(2 * n, 1, generator=torch.Generator().manual_seed(0)))
     for r, logits in enumerate(rows):
         p = torch.softmax(logits.double(), -1)
         order = p.argsort(descending=True)
@@ -250,12 +253,11 @@ def test_sampler_nucleus_beyond_its_candidates(monkeypatch, candidates):
 
 
 @pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (1.0, 1.0), (1.0, 0.5)])
-def test_sampler_rows_draw_what_the_whole_batch_draws(temperature, top_p):
-    """sample(rows=): each listed row draws the token and log-prob it draws in the whole batch, and the generator ends alike."""
+def test_draw_of_some_rows_is_their_draw_in_the_whole_batch(temperature, top_p):
+    """draw(): rows drawn alone with their own uniforms give the tokens and log-probs they draw in the whole batch."""
     logits = torch.randn(9, 50, generator=torch.Generator().manual_seed(1)) * 3
+    u = torch.rand(9, 1, generator=torch.Generator().manual_seed(5))
     rows = torch.tensor([7, 2, 3])
-    g_all, g_rows = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
-    tok, logp = sample(logits, temperature, top_p, g_all)
-    part, part_logp = sample(logits, temperature, top_p, g_rows, rows=rows)
+    tok, logp = draw(logits, temperature, top_p, u)
+    part, part_logp = draw(logits[rows], temperature, top_p, u[rows])
     assert torch.equal(part, tok[rows]) and torch.equal(part_logp, logp[rows])
-    assert torch.equal(g_all.get_state(), g_rows.get_state())
