@@ -26,15 +26,11 @@ import time
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def peak():
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-
-
 def child(args):
     import torch
     torch.set_num_threads(args.threads)
-    sys.path.insert(0, HERE)
+    sys.path[:0] = [HERE, os.path.join(HERE, "bench")]
+    from common import made_trajectories, peak
     import fsdp
     import grpo
     import lora
@@ -57,17 +53,7 @@ def child(args):
     policy.train()
     policy.checkpoint_layers = args.checkpointing
     questions = [q["question"] for q in read_jsonl(os.path.join(args.world, "train.jsonl"))[:args.questions]]
-    g = torch.Generator().manual_seed(0)
-    trajs = []
-    for q in questions:
-        prompt = tok.encode(tok.chat_prompt(R.make_prompt(q)))
-        for _ in range(args.group):
-            t = R.Trajectory(q, len(prompt))
-            t.add(prompt, sampled=False)
-            for n, sampled in [(args.cap, True), (256, False)] * args.turns + [(20, True)]:
-                t.add(torch.randint(0, 150000, (n,), generator=g).tolist(), sampled=sampled,
-                      logprobs=[-2.0] * n if sampled else None)
-            trajs.append(t)
+    trajs = made_trajectories(tok, questions, args.group, args.turns, args.cap, 0, R)
     adv = torch.linspace(-1, 1, len(trajs)).tolist()
     out = dict(rank=args.rank, dtype=str(dt).removeprefix("torch."), tokens=sum(len(t.tokens) for t in trajs),
                policy_tokens=sum(sum(t.loss_mask) for t in trajs))

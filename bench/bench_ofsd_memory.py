@@ -7,7 +7,7 @@ gradients set to None, the moments parked in a file: `fsdp.park`); before it (4d
 stayed. Each regime runs in a process of its own, one after the other, on the same made inputs:
 
 1. setup: the policy and the KL model loaded, one `grpo.grpo_step` on --trajectories made
-   trajectories (bench_side_by_side.made_trajectories: chat prompt, 2 turns of 200 random policy
+   trajectories (common.made_trajectories: chat prompt, 2 turns of 200 random policy
    tokens each followed by 256 of observation, a 20-token answer; micro-batches of 4, activation
    checkpointing: the P' command's settings), so gradients and moments exist;
 2. the regime applied ("resident": nothing goes; "released": what evolve.py's OFSD branch lets
@@ -37,11 +37,6 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GB = 1e9
 
 
-def peak():
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-
-
 def child(args):
     import torch
     torch.set_num_threads(args.threads)
@@ -51,7 +46,7 @@ def child(args):
     import grpo
     import ofsd
     import rollout as R
-    from bench_side_by_side import made_trajectories
+    from common import made_trajectories, peak
     from model import load
     from toyworld import read_jsonl
     t0 = time.time()
@@ -59,8 +54,7 @@ def child(args):
     kl_model = load(args.checkpoint, "cpu", torch.float32)[0].eval()
     policy.checkpoint_layers = True
     questions = [q["question"] for q in read_jsonl(os.path.join(args.world, "train.jsonl"))]
-    made = argparse.Namespace(seed=0, group=1, cap=200, turns=2)
-    trajs = made_trajectories(tok, questions[:args.trajectories], made, R)
+    trajs = made_trajectories(tok, questions[:args.trajectories], 1, 2, 200, 0, R)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6, weight_decay=0.0)
     policy.train()
     grpo.grpo_step(policy, kl_model, optimizer, trajs, [1.0, -1.0] * (len(trajs) // 2) + [0.0] * (len(trajs) % 2),
@@ -86,7 +80,7 @@ def child(args):
     mining_peak = peak()
     del cache, sub
     gc.collect()
-    pair_trajs = made_trajectories(tok, questions[:2 * args.pairs], made, R)
+    pair_trajs = made_trajectories(tok, questions[:2 * args.pairs], 1, 2, 200, 0, R)
     pairs = [ofsd.Pair(ref, stu, True, golds=("x",)) for ref, stu in zip(pair_trajs[::2], pair_trajs[1::2])]
     with torch.enable_grad():
         ofsd.distill(policy, tok, pairs, ofsd_loss="kl", kl_weight=1.0, lora_rank=16, lora_alpha=32, lora_lr=2e-4, lora_epochs=2, ofsd_micro_batch=4,

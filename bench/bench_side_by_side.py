@@ -50,6 +50,7 @@ def child(args):
     torch.set_num_threads(args.threads)
     import generate
     import rollout as R
+    from common import made_trajectories  # bench/common.py: the same trajectories for every code version
     from model import load
     from retriever import load_index
     from toyworld import read_jsonl
@@ -86,7 +87,7 @@ def child(args):
             setattr(generate, name, timed("sampling", getattr(generate, name)))
     index.search = timed("retrieval", index.search)
     if args.phase == "train":
-        trajs = made_trajectories(tok, questions, args, R)
+        trajs = made_trajectories(tok, questions, args.group, args.turns, args.cap, args.seed, R)
         kl_model = load(args.checkpoint, "cpu", getattr(torch, args.dtype))[0].eval()
         model.train()
         model.checkpoint_layers = args.checkpointing
@@ -105,25 +106,6 @@ def child(args):
     print(json.dumps(dict(wall=wall, tokens=sum(sum(t.loss_mask) for t in trajs), spent=spent, flops=flops,
                           formatted=sum(t.stop == "answer" for t in trajs),
                           searches=sum(t.n_search for t in trajs))))
-
-
-def made_trajectories(tok, questions, args, R):
-    """--group trajectories a question, the same in every code version: the chat prompt, then the
-    policy's turns and the observations as random tokens (training's cost depends on lengths only)."""
-    import torch
-    g = torch.Generator().manual_seed(args.seed)
-    trajs = []
-    for q in questions:
-        prompt = tok.encode(tok.chat_prompt(R.make_prompt(q)))
-        for _ in range(args.group):
-            t = R.Trajectory(q, len(prompt))
-            t.add(prompt, sampled=False)
-            for n, sampled in [(args.cap, True), (256, False)] * args.turns + [(20, True)]:
-                ids = torch.randint(0, 150000, (n,), generator=g).tolist()
-                t.add(ids, sampled=sampled, logprobs=[-2.0] * n if sampled else None)
-            t.stop = "answer"
-            trajs.append(t)
-    return trajs
 
 
 def main():
