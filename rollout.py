@@ -21,17 +21,12 @@ A trajectory is (tokens, loss_mask, logprobs, ...): loss_mask is 1 exactly where
 sampled the token, 0 on the prompt, the observations and the injected messages. GRPO and OFSD
 both use this one definition.
 
-The B questions x G samples run through one preallocated KV cache of `rollout_rows` rows (0: all of
-them): each prompt is prefilled once and copied to its G rows, and while questions wait, the next
-one enters as soon as G rows are free (continuous batching: the batch stays full instead of
-waiting for its longest row); observations are appended to the cache (no prefix is recomputed).
-There is no barrier between turns: every step, each row still going samples one token; a row
-whose turn ends takes its action at once (the searches of the rows that end a turn in the
-same step are one batched call) and reads its observation in a forward of its own rows, then writes
-its next turn while the others still write theirs. The k-th token trajectory i samples uses the
-uniform u[i, k] of one table drawn from the generator at the start, so what a row draws does not
-depend on the rows beside it, on when they stop or on `rollout_rows`. Once no question waits,
-finished rows leave the cache when they are half of its rows.
+Decoding is generate.decode's (the engine: one KV cache of `rollout_rows` rows, each prompt
+prefilled once for its G samples, continuous batching, no barrier between turns); this file hands it
+the prompts and `turn_end`, the turn above, which it calls with every row whose turn just ended (the
+searches of one step are one batched call). The k-th token trajectory i samples uses the uniform
+u[i, k] of one table drawn from the generator at the start, so what a row draws does not depend on
+the rows beside it, on when they stop or on `rollout_rows`.
 
 Reward: R = EM(answer, gold) in {0, 1}, where the answer is the last <answer>...</answer> the
 model wrote and both sides are normalised (lowercase, punctuation and the articles a/an/the
