@@ -17,16 +17,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from generate import generate  # noqa: E402
+from common import SHAPES  # noqa: E402  (bench/common.py)
 from model import Qwen2, Qwen2Config, save  # noqa: E402
 import tokenizer  # noqa: E402
-
-SHAPES = {
-    "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                 num_attention_heads=14, num_key_value_heads=2, rope_theta=1e6),
-    "tiny": dict(vocab_size=4096, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, rope_theta=1e6),
-}
-
 
 def main():
     ap = argparse.ArgumentParser()

@@ -38,6 +38,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_dtype import decode, grpo_pass, prefill, warm  # noqa: E402
+from common import matmul_rate  # noqa: E402
 import fsdp  # noqa: E402
 from model import load  # noqa: E402
 
@@ -61,17 +62,6 @@ def limited(seconds, measure):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
-
-
-def matmul_rate(rows, d, inner, dtype, seconds=2.0):
-    """FLOP/s of x (rows, d) @ W (d, inner), repeated for about `seconds` after one warm call."""
-    x, w = torch.randn(rows, d, dtype=dtype), torch.randn(d, inner, dtype=dtype)
-    x @ w
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        x @ w
-        n += 1
-    return 2 * rows * d * inner * n / (time.perf_counter() - t0)
 
 
 def bandwidth(mb=512, repeats=5):

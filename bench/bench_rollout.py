@@ -26,7 +26,7 @@ from tokenizer import QWEN2_CHAT_TEMPLATE, Tokenizer  # noqa: E402
 import index_build  # noqa: E402
 import retriever  # noqa: E402
 from rollout import ACTION, INVALID, STOP_STRINGS, make_prompt, observation, rollout  # noqa: E402
-from bench_generate import SHAPES  # noqa: E402
+from common import SHAPES  # noqa: E402  (bench/common.py)
 
 QUESTIONS = ["who founded the city of paris", "where was ada lovelace born", "which river flows through tokyo",
              "when was the company founded", "who wrote the book about rivers", "what is the capital of the country",

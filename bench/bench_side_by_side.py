@@ -134,7 +134,7 @@ def main():
     import torch
     sys.path.insert(0, HERE)
     from model import Qwen2Config
-    from bench_limit import matmul_rate
+    from common import matmul_rate
     torch.set_num_threads(args.threads)
     cfg = Qwen2Config.from_json(os.path.join(args.checkpoint, "config.json"))
     limit = max(matmul_rate(r, cfg.hidden_size, cfg.intermediate_size, getattr(torch, args.dtype)) for r in (1024, 80))
