@@ -23,7 +23,7 @@ by wrapping the functions every version calls:
   the rest    the wall time none of these took: Python, masks, KV-cache copies
 In the train phase the wrappers see the forward passes only: the backward's time is in "the rest".
 Each part's GFLOP/s is printed beside the machine's limit: its best float32 matmul rate at the
-model's shapes (bench_limit.matmul_rate, measured in this process before the rollouts).
+model's shapes (common.matmul_rate, measured in this process before the rollouts).
 Left out: bfloat16 (run the bench on a CPU with native bfloat16 and --dtype=bfloat16).
 
     git worktree add ../before 4d9e205
