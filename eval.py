@@ -167,6 +167,26 @@ def read_questions(path, limit=0):
     return rows
 
 
+def eval_line(row):
+    s = row["summary"]
+    return (f"eval | round {row['round']} {row['after'] if row['after'] != 'start' else 'eval'} | "
+            f"EM {s['all']['em']:.3f} | " + " | ".join(f"{k} {v['em']:.3f}" for k, v in s.items() if k != "all") +
+            f" | searches {s['all']['searches']:.2f} | format {s['all']['format']:.2f}")
+
+
+def results_table(results):
+    """evolve.py's results table: one row per evaluation of the loop (markdown)."""
+    types = [k for k in results[0]["summary"] if k != "all"]
+    lines = ["| round | after | GRPO steps | EM | " + " | ".join(types) + " | searches/q | format |",
+             "|---|---|---|---|" + "---|" * len(types) + "---|---|"]
+    for row in results:
+        s = row["summary"]
+        lines.append(f"| {row['round']} | {row['after']} (it {row['iteration']}) | {row['grpo_steps']} | "
+                     f"{s['all']['em']:.3f} | " + " | ".join(f"{s[t]['em']:.3f}" for t in types) +
+                     f" | {s['all']['searches']:.2f} | {s['all']['format']:.2f} |")
+    return "\n".join(lines)
+
+
 def main():
     cfg = dict(DEFAULTS, **configurator.parse(sys.argv[1:], DEFAULTS, __file__, __doc__))
     files = [f for f in cfg["data"].split(",") if f]

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 import checkpoint
 import configurator
-from eval import curves_svg, evaluate, read_questions, summarize
+from eval import curves_svg, eval_line, evaluate, read_questions, results_table, summarize
 import fsdp
 import grpo
 import lora
@@ -386,26 +386,6 @@ def ofsd_line(row, m):
                      f"{m['mined_em_before_incorrect']:.3f})")
         line += f" | disagree {m['disagree']:.3f} | mined EM {m['mined_em_before']:.3f} -> {m['mined_em_after']:.3f}"
     return line
-
-
-def eval_line(row):
-    s = row["summary"]
-    return (f"eval | round {row['round']} {row['after'] if row['after'] != 'start' else 'eval'} | "
-            f"EM {s['all']['em']:.3f} | " + " | ".join(f"{k} {v['em']:.3f}" for k, v in s.items() if k != "all") +
-            f" | searches {s['all']['searches']:.2f} | format {s['all']['format']:.2f}")
-
-
-def results_table(results):
-    """The printed table: one row per evaluation (markdown)."""
-    types = [k for k in results[0]["summary"] if k != "all"]
-    lines = ["| round | after | GRPO steps | EM | " + " | ".join(types) + " | searches/q | format |",
-             "|---|---|---|---|" + "---|" * len(types) + "---|---|"]
-    for row in results:
-        s = row["summary"]
-        lines.append(f"| {row['round']} | {row['after']} (it {row['iteration']}) | {row['grpo_steps']} | "
-                     f"{s['all']['em']:.3f} | " + " | ".join(f"{s[t]['em']:.3f}" for t in types) +
-                     f" | {s['all']['searches']:.2f} | {s['all']['format']:.2f} |")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":
