@@ -3,8 +3,6 @@
 import copy
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,9 +12,9 @@ import grpo
 import lora
 from conftest import AGENT_QUESTION
 from model import save
+from test_evolve import evolve as run_evolve
 from test_rollout import run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def lora_step(agent, tokenizer, search_index, seed=0):
@@ -84,9 +82,7 @@ def test_base_and_chain_reloaded_give_the_policy(agent, tokenizer, search_index,
 
 
 def evolve(args):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "evolve.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
+    p = run_evolve(args)
     assert p.returncode == 0, p.stderr[-3000:]
     return p
 
@@ -132,7 +128,6 @@ def test_lora_run_resumes_exactly(lora_runs):
 def test_initial_kl_model_after_a_merge_is_refused(micro, tmp_path):
     """--kl_policy=initial with LoRA GRPO over several iterations is refused before anything is written."""
     out = tmp_path / "run"
-    p = subprocess.run([sys.executable, "evolve.py", *micro, "--grpo_lora_rank=4", "--kl_policy=initial",
-                        "--iterations=2", f"--out_dir={out}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = run_evolve([*micro, "--grpo_lora_rank=4", "--kl_policy=initial", "--iterations=2", f"--out_dir={out}"])
     assert p.returncode != 0 and not out.exists()
     assert "--kl_policy=initial with --grpo_lora_rank=4" in p.stderr
