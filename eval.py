@@ -37,6 +37,7 @@ max_turns = SEARCH_R1_SETTINGS["max_turns"]              # searching turns befor
 max_turn_tokens = SEARCH_R1_SETTINGS["max_turn_tokens"]  # per-turn response cap
 max_obs_tokens = SEARCH_R1_SETTINGS["max_obs_tokens"]    # observation cap
 top_k = SEARCH_R1_SETTINGS["top_k"]                      # documents per search
+compile = False                # decoding steps through torch.compile (CUDA: CUDA graphs; generate.compiled)
 device = "auto"                # auto (CUDA when there is one), cpu, cuda, cuda:N
 dtype = "auto"                 # auto: bfloat16 on CUDA, and for a real checkpoint on a CPU with native bfloat16
 # ---------------------------------------------------------------------------------------------
@@ -44,7 +45,7 @@ DEFAULTS = configurator.settings(globals())
 
 
 def evaluate(model, tokenizer, index, questions, *, batch, max_turns, max_turn_tokens, max_obs_tokens, top_k,
-             rollout_rows=0, search_workers=1):
+             rollout_rows=0, search_workers=1, compile=False):
     """Greedy rollouts for FlashRAG-format questions -> one result dict per question."""
     out = []
     for s in range(0, len(questions), batch):
@@ -52,7 +53,7 @@ def evaluate(model, tokenizer, index, questions, *, batch, max_turns, max_turn_t
         trajs = rollout(model, tokenizer, index, [q["question"] for q in part], 1, max_turns=max_turns,
                         max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens, top_k=top_k,
                         temperature=0.0, top_p=1.0, generator=None, rollout_rows=rollout_rows,
-                        search_workers=search_workers)
+                        search_workers=search_workers, compile=compile)
         for q, t in zip(part, trajs):
             out.append(dict(question=q["question"], golden_answers=q["golden_answers"], type=q.get("type"),
                             answer=t.answer, em=exact_match(t.answer, q["golden_answers"]),
@@ -205,7 +206,8 @@ def main():
     table, everything = [], []
     for path, qs in data.items():
         res = evaluate(model, tok, index, qs, batch=cfg["batch"], max_turns=cfg["max_turns"],
-                       max_turn_tokens=cfg["max_turn_tokens"], max_obs_tokens=cfg["max_obs_tokens"], top_k=cfg["top_k"])
+                       max_turn_tokens=cfg["max_turn_tokens"], max_obs_tokens=cfg["max_obs_tokens"], top_k=cfg["top_k"],
+                       compile=cfg["compile"])
         name = os.path.splitext(os.path.basename(path))[0]
         for r in res[:cfg["show"]]:
             print(f"\n=== {name}: {r['question']}  gold={r['golden_answers']}  EM={r['em']:.0f}\n{r['trajectory']}")

@@ -92,6 +92,7 @@ search_workers = 1             # BM25 worker processes per rank for a turn's sea
                                #                                              (8+ at wiki-18 scale; docs/)
 rollout_rows = 0               # trajectories decoded at once per rank (bounds the KV cache); 0 = all
                                #                                              (64 at 3B/7B; docs/real-scale.md)
+compile = False                # decoding steps through torch.compile (CUDA: CUDA graphs; generate.compiled)
 ofsd_rounds = True             # False: the GRPO-only ablation (same GRPO steps, no OFSD rounds)
 ofsd_questions = 64            # questions rolled out to mine pairs per OFSD round
 ofsd_students = "any"          # "any": the paper's rule (an incorrect sibling, else a correct one);
@@ -196,7 +197,7 @@ def main():
         state = dict(done=0, step=0, results=[], metrics_lines=0, world_size=world_size)
     # the task as every rollout and evaluation runs it, then the sampling of the training rollouts
     protocol = dict(max_turns=max_turns, max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens, top_k=top_k,
-                    rollout_rows=rollout_rows, search_workers=search_workers)
+                    rollout_rows=rollout_rows, search_workers=search_workers, compile=compile)
     rollout_args = dict(protocol, temperature=temperature, top_p=top_p)
 
     def record(row, line):
@@ -310,7 +311,7 @@ NOT_NEGATIVE = ("ofsd_kl_weight", "grpo_lora_rank", "iterations", "max_turns", "
 CHOICES = dict(ofsd_loss=ofsd.LOSSES, kl_policy=("round", "initial"), ofsd_students=("any", "incorrect"), ofsd_clip=CLIPS,
                ofsd_context=ofsd.CONTEXTS, ofsd_positions=ofsd.POSITIONS, dtype=("auto", "float32", "bfloat16"))
 RESUME_MAY_CHANGE = ("resume", "overwrite", "out_dir", "world_dir", "iterations", "eval_batch", "micro_batch",
-                     "kl_chunk", "activation_checkpointing", "rollout_rows", "search_workers")  # paths, length, speed, memory
+                     "kl_chunk", "activation_checkpointing", "rollout_rows", "search_workers", "compile")  # paths, length, speed, memory
 
 
 def check_config(cfg):
@@ -342,6 +343,9 @@ def check_ranks(cfg, world_size, ppo_updates):
                          f"with at least one question per rank for each of its {ppo_updates} updates, and "
                          f"--ofsd_questions={n} at least the number of ranks: every rank needs questions, "
                          "and the same number of training passes")
+    if cfg["compile"] and world_size > 1:
+        raise SystemExit("--compile=true is for one process (a sharded model's gathered weights are not "
+                         f"what torch.compile traced); this run has {world_size} ranks")
 
 
 def check_context(cfg, model_config, tokenizer, longest_question):

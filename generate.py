@@ -5,7 +5,10 @@ sampled token's log-probability recorded (what GRPO's pi_old is), behind one cal
                                    row how many tokens it holds; model.hidden appends at each row's end
 
     extend(model, cache, chunks)   append token lists (one per row, ragged) to the cache: the
-                                   prefill, the forced tokens of retrieved text, a decoding step
+                                   prefill, the forced tokens of retrieved text
+    decode_step(model, cache, ...) one token for every row of the cache, rows not writing masked:
+                                   static shapes, no host sync, so `compile` can wrap it
+                                   (torch.compile; on CUDA as CUDA graphs)
     draw(logits, T, top_p, u)      one token per row from softmax(logits / T) restricted to the
                                    smallest set of mass >= top_p (renormalised), by inverse CDF at
                                    the row's own uniform; the recorded log-prob is log softmax(logits / T)
@@ -20,6 +23,7 @@ Left out: beam search, speculative decoding, repetition penalties, paged attenti
     python generate.py CHECKPOINT_DIR "Why is the sky blue?"     # greedy chat demo
 """
 
+import functools
 import sys
 
 import torch
@@ -31,13 +35,15 @@ from model import load, pad_right
 class KVCache:
     """Preallocated keys/values for every layer, (L, B, H_kv, max_len + 1, D), and per row the number
     of tokens it holds (`end`, (B,)): row b's tokens are in slots 0 .. end[b]-1, in order, and slot i
-    holds the token at rotary position i. The last slot is scratch, where padding is written."""
+    holds the token at rotary position i. A forward reads slots 0 .. span - 1 and writes padding to
+    slot `span`, a scratch slot no row holds (span = max_len, or less through `upto`)."""
 
     def __init__(self, cfg, batch, max_len, device, dtype):
         shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len + 1, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.end = torch.zeros(batch, dtype=torch.long, device=device)  # (B,)
+        self.span = max_len
 
     @property
     def max_len(self):
@@ -45,11 +51,25 @@ class KVCache:
 
     def write(self, layer, k, v, where):
         """Write a chunk's keys and values (B, Hkv, T, D) where Qwen2.hidden says: `where` = (rows (B, 1),
-        slots (B, T), slots in use S); returns every slot in use, (B, Hkv, S, D) each."""
-        rows, slots, S = where
-        self.k[layer, rows, :, slots] = k.transpose(1, 2)  # (B, T, Hkv, D) into (B, T) slots
-        self.v[layer, rows, :, slots] = v.transpose(1, 2)
-        return self.k[layer, :, :, :S], self.v[layer, :, :, :S]
+        slots (B, T)); returns slots 0 .. span of the layer, (B, Hkv, span + 1, D) each. The write is an
+        in-place index_put_ on the whole cache tensor, which torch.compile keeps in place (on a view of
+        it, a compiled step would copy the whole cache back)."""
+        rows, slots = where
+        heads = torch.arange(k.shape[1], device=k.device)
+        at = (torch.full_like(rows, layer)[:, :, None], rows[:, :, None], heads[None, :, None], slots[:, None, :])
+        self.k.index_put_(at, k)  # (B, Hkv, T) positions of (L, B, Hkv, S, D), each a (D,) vector
+        self.v.index_put_(at, v)
+        return self.k[layer, :, :, :self.span + 1], self.v[layer, :, :, :self.span + 1]
+
+    def upto(self, span):
+        """The same cache (its tensors, not copies) with forwards reading slots 0 .. span - 1 only, so
+        they read no more than the rows hold; span must be at least every row's length after the
+        forward. Slot span is then the scratch slot: no row holds it yet."""
+        if span > self.max_len:
+            raise ValueError(f"KV cache full: a row would hold {span} tokens > max_len {self.max_len}")
+        view = KVCache._of(self.k, self.v, self.end)
+        view.span = span
+        return view
 
     @property
     def length(self):
@@ -88,7 +108,7 @@ class KVCache:
     def _of(k, v, end):
         """A cache over the given tensors (views of another cache's, or new ones)."""
         new = object.__new__(KVCache)
-        new.k, new.v, new.end = k, v, end
+        new.k, new.v, new.end, new.span = k, v, end, k.shape[3] - 1
         return new
 
     def reorder(self, order):
@@ -119,7 +139,7 @@ def extend(model, cache, chunks, logits=None):
     ids, valid = pad_right(chunks, 0, dev)  # (B, T) each
     n = valid.sum(1)  # (B,)
     last = F.one_hot((n - 1).clamp(min=0), ids.shape[1]).bool() & (n > 0)[:, None]  # (B, T)
-    h = model.hidden(ids, cache, valid, select=last)  # (b, d): the rows with a chunk, in order
+    h = model.hidden(ids, cache.upto(int((cache.end + n).max())), valid, select=last)  # (b, d): rows with a chunk
     new = F.linear(h, model.lm_head_weight).float()  # (b, V)
     if logits is None:
         return new
@@ -171,9 +191,28 @@ def _nucleus_draw(sp, si, top_p, u):
     return si.gather(-1, _inverse_cdf(sp, u)).squeeze(-1)
 
 
+SPAN_STEP = 64  # a compiled decoding step reads the cache's first k * SPAN_STEP slots: a few shapes, each compiled once
+
+
+def decode_step(model, cache, tok, writing):
+    """One token for each cache row that is writing, (B,) each: the next-token logits (B, V) of every
+    row. Static shapes, no host sync: a row not writing writes its token to the scratch slot and keeps
+    its length (its logits are unused). This is what `compile` wraps."""
+    h = model.hidden(tok[:, None], cache, writing[:, None])  # (B, 1, d)
+    return F.linear(h[:, 0], model.lm_head_weight).float()  # (B, V)
+
+
+@functools.cache
+def compiled(device_type):
+    """decode_step through torch.compile, made once per process and device type: on CUDA with CUDA
+    graphs (one recorded per shape), on a CPU as generated C++. The row count and the span are
+    marked dynamic after the first change, so the code is compiled twice, not once per shape."""
+    return torch.compile(decode_step, mode="reduce-overhead" if device_type == "cuda" else None, fullgraph=True)
+
+
 @torch.no_grad()
 def decode(model, tokenizer, prompts, group_size, turn_end, *, max_len, max_turn_tokens, temperature, top_p,
-           uniforms=None, rows=0, stop_strings=(), stop_ids=None):
+           uniforms=None, rows=0, stop_strings=(), stop_ids=None, compile=False):
     """The engine: `group_size` continuations of each prompt (trajectory i continues prompt i // G),
     decoded turn by turn through one KV cache of `rows` rows (whole groups; 0 = every trajectory).
 
@@ -184,14 +223,24 @@ def decode(model, tokenizer, prompts, group_size, turn_end, *, max_len, max_turn
     is called with every trajectory whose turn ended at this step and returns {i: the tokens it reads
     next (the environment's: fed to the cache, and the next turn starts), or None (finished)}.
     A question's G rows enter as soon as G rows are free (its prompt prefilled once, copied to them),
-    so the cache stays full while questions wait; when none waits, finished rows leave the forward
-    once they are half of the cache. max_len: the most tokens a row may hold."""
+    so the cache stays full while questions wait; when none waits and half the rows are done, the
+    cache keeps half its rows. Each decoding step is decode_step over every row of the cache, reading
+    the slots its longest row holds (`compile`: through torch.compile, that many rounded up to SPAN_STEP,
+    so that the shapes are few). max_len: the most tokens a row may hold."""
     G, N = group_size, len(prompts) * group_size
     stop_ids = set(tokenizer.eos_ids if stop_ids is None else stop_ids)
     size = max(G, rows // G * G) if rows else N
     cache = new_cache(model, min(size, N), max_len)
+    dev = cache.end.device
+
+    def pin():  # CUDA graphs replay on fixed addresses: the cache's tensors are marked so
+        for t in (cache.k, cache.v, cache.end) if compile and dev.type == "cuda" else ():
+            torch._dynamo.mark_static_address(t)
+    pin()
+    step, span_step = (compiled(dev.type), SPAN_STEP) if compile else (decode_step, 1)  # eager: no slot it need not read
     held = [None] * len(cache.end)  # the trajectory in each cache row; None when free or finished
-    logits = torch.zeros(len(held), model.config.vocab_size, device=cache.end.device)  # (rows, V) next-token logits
+    length = [0] * len(held)  # the tokens each cache row holds (cache.end, known here without a sync)
+    logits = torch.zeros(len(held), model.config.vocab_size, device=dev)  # (rows, V) next-token logits
     waiting = 0  # the first prompt not yet in the cache
     drawn = [0] * N  # tokens each trajectory has sampled
     turn_toks, turn_lps = [[] for _ in range(N)], [[] for _ in range(N)]  # its turn so far
@@ -207,17 +256,19 @@ def decode(model, tokenizer, prompts, group_size, turn_end, *, max_len, max_turn
             cache.put(at, sub, [j // G for j in range(k * G)])  # copied to its G rows
             logits[at] = new.repeat_interleave(G, dim=0)  # (k*G, V)
             for j, r in enumerate(at):
-                held[r] = waiting * G + j
+                held[r], length[r] = waiting * G + j, len(entering[j // G])
             waiting += k
         going = [r for r, i in enumerate(held) if i is not None]
-        if waiting == len(prompts) and len(going) <= len(held) // 2:  # finished rows leave, half at a time
-            cache.keep(going)
-            logits, held = logits[going], [held[r] for r in going]  # (b, V)
-            going = list(range(len(held)))
+        if waiting == len(prompts) and len(going) <= len(held) // 2:  # keep half the rows: the going ones first
+            order = going + [r for r, i in enumerate(held) if i is None][:len(held) // 2 - len(going)]
+            cache.keep(order)
+            pin()  # the same storage, seen through new tensors
+            logits, held, length = logits[order], [held[r] for r in order], [length[r] for r in order]  # (b, V)
+            going = list(range(len(going)))
         ids = [held[r] for r in going]
         u = None if uniforms is None else uniforms[ids, [drawn[i] for i in ids]][:, None]  # (g, 1)
         tok, lp = draw(logits[going], temperature, top_p, u)  # (g,) each
-        step = [[] for _ in held]  # per cache row: the token it decodes now (none: turn over, or finished)
+        writing = [False] * len(held)  # per cache row: it decodes its token now (else: turn over, or finished)
         ended = {}  # cache row -> (the sampled token its cache still needs before what follows, the reason)
         for r, i, t, l in zip(going, ids, tok.tolist(), lp.tolist()):
             drawn[i] += 1
@@ -231,7 +282,8 @@ def decode(model, tokenizer, prompts, group_size, turn_end, *, max_len, max_turn
             elif len(turn_toks[i]) == max_turn_tokens:
                 ended[r] = ([t], "length")
             else:
-                step[r] = [t]
+                writing[r] = True
+                length[r] += 1
         chunks = {}  # cache rows that go on: what they read next
         if ended:
             nxt = turn_end([(held[r], turn_toks[held[r]], turn_lps[held[r]], why) for r, (_, why) in ended.items()])
@@ -242,17 +294,25 @@ def decode(model, tokenizer, prompts, group_size, turn_end, *, max_len, max_turn
                     held[r] = None
                 else:
                     chunks[r] = nxt[i]
-        logits = extend(model, cache, step, logits)  # a decoding step of the rows still writing
+        if any(writing):  # a decoding step of every row, those not writing masked
+            need = max(length)  # the longest row after this step (more than max_len: upto refuses it)
+            span = max(need, min(-(-need // span_step) * span_step, max_len))
+            toks = torch.zeros(len(held), dtype=torch.long, device=dev)
+            toks[going] = tok  # (rows,)
+            w = torch.tensor(writing, device=dev)  # (rows,)
+            logits = torch.where(w[:, None], step(model, cache.upto(span), toks, w), logits)  # (rows, V)
         if chunks:  # rows whose turn ended read what follows, in a cache of their own
             at = sorted(chunks)
             feed = [ended[r][0] + chunks[r] for r in at]  # (the turn's last token when the cache lacks it)
             sub = cache.take(at, max(map(len, feed)))
             logits[at] = extend(model, sub, feed)  # (b, V)
             cache.put(at, sub)
+            for r, f in zip(at, feed):
+                length[r] += len(f)
 
 
 def generate(model, tokenizer, prompts, max_new_tokens, *, temperature=0.0, top_p=1.0, generator=None,
-             stop_ids=None, stop_strings=()):
+             stop_ids=None, stop_strings=(), compile=False):
     """One turn for each of the ragged prompts (lists of token ids) -> (tokens, logprobs, reasons):
     `decode` with one row a prompt and a turn_end that finishes every row."""
     u = None if temperature == 0 else torch.rand(len(prompts), max_new_tokens, generator=generator,
@@ -264,7 +324,7 @@ def generate(model, tokenizer, prompts, max_new_tokens, *, temperature=0.0, top_
         return {i: None for i, *_ in ended}
     decode(model, tokenizer, prompts, 1, turn_end, max_len=max(map(len, prompts)) + max_new_tokens + 1,
            max_turn_tokens=max_new_tokens, temperature=temperature, top_p=top_p, uniforms=u,
-           stop_strings=stop_strings, stop_ids=stop_ids)
+           stop_strings=stop_strings, stop_ids=stop_ids, compile=compile)
     return tuple(list(x) for x in zip(*(out[i] for i in range(len(prompts)))))
 
 

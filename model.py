@@ -243,18 +243,16 @@ class Qwen2(nn.Module):
         key_valid, slots = valid, None  # (B, S)
         if positions is None:
             positions = (valid.long().cumsum(1) - 1).clamp(min=0)  # (B, T)
-        if cache is not None:  # the chunk continues each row at its own end; its padding goes to the scratch slot
-            if bool((valid[:, 1:] > valid[:, :-1]).any()):
+        if cache is not None:  # the chunk continues each row at its own end; its padding goes to the scratch
+            # slot; it attends to the cache's span of slots (no host sync: a decoding step's shapes are
+            # fixed), masked to its row's tokens: the caller sets a span just long enough (KVCache.upto)
+            if T > 1 and bool((valid[:, 1:] > valid[:, :-1]).any()):
                 raise ValueError("a chunk appended to a KV cache must be right-padded")
-            new_end = cache.end + valid.sum(1)  # (B,)
-            S = int(new_end.max())
-            if S > cache.max_len:
-                raise ValueError(f"KV cache full: a row would hold {S} tokens > max_len {cache.max_len}")
             positions = cache.end[:, None] + torch.arange(T, device=dev)  # (B, T) = the slots
-            q_slot = torch.where(valid, positions, cache.max_len)  # (B, T)
-            slots = (torch.arange(B, device=dev)[:, None], q_slot, S)
-            k_slot = torch.arange(S, device=dev)
-            key_valid = k_slot[None, :] < new_end[:, None]  # (B, S)
+            q_slot = torch.where(valid, positions, cache.span)  # (B, T)
+            slots = (torch.arange(B, device=dev)[:, None], q_slot)
+            k_slot = torch.arange(cache.span + 1, device=dev)  # (S,)
+            key_valid = k_slot[None, :] < (cache.end + valid.sum(1))[:, None]  # (B, S)
         cfg = self.config
         x = self.model.embed_tokens(input_ids)  # (B, T, d)
         mask = None  # right padding only, no cache: plain causal attention is exact for every real token

@@ -157,11 +157,13 @@ class Trajectory:
 
 @torch.no_grad()
 def rollout(model, tokenizer, retriever, questions, group_size, *, max_turns, max_turn_tokens,
-            max_obs_tokens, top_k, temperature, top_p, generator, contexts=None, rollout_rows=0, search_workers=1):
+            max_obs_tokens, top_k, temperature, top_p, generator, contexts=None, rollout_rows=0, search_workers=1,
+            compile=False):
     """Run len(questions) x group_size trajectories; returns them question-major (q0 g0, q0 g1, ...).
     `contexts`: text appended to each question's user message (OFSD's teacher view puts tau_ref there).
     `rollout_rows`: decode at most this many trajectories at once (the KV cache's size), 0 = all.
-    `search_workers`: processes that share each turn's batch of searches (retriever.Index.search)."""
+    `search_workers`: processes that share each turn's batch of searches (retriever.Index.search).
+    `compile`: decoding steps through torch.compile (generate.compiled)."""
     G, contexts = group_size, contexts or [""] * len(questions)
     with fsdp.gathered(model):  # a sharded model: weights all-gathered once for the whole batch
         # the k-th token trajectory i samples uses u[i, k]: what a row draws does not depend on which
@@ -171,11 +173,12 @@ def rollout(model, tokenizer, retriever, questions, group_size, *, max_turns, ma
             device=model.model.embed_tokens.weight.device)
         return _rollout(model, tokenizer, retriever, questions, contexts, G, u, rollout_rows=rollout_rows,
                         max_turns=max_turns, max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens,
-                        top_k=top_k, temperature=temperature, top_p=top_p, search_workers=search_workers)
+                        top_k=top_k, temperature=temperature, top_p=top_p, search_workers=search_workers,
+                        compile=compile)
 
 
 def _rollout(model, tokenizer, retriever, questions, contexts, G, u, *, rollout_rows, max_turns, max_turn_tokens,
-             max_obs_tokens, top_k, temperature, top_p, search_workers):
+             max_obs_tokens, top_k, temperature, top_p, search_workers, compile=False):
     """`rollout` with u (N, (max_turns + 1) * max_turn_tokens) the trajectories' uniforms."""
     prompts = [tokenizer.encode(tokenizer.chat_prompt(make_prompt(q) + c)) for q, c in zip(questions, contexts)]
     trajs = [Trajectory(q, len(p)) for q, p in zip(questions, prompts) for _ in range(G)]
@@ -215,7 +218,8 @@ def _rollout(model, tokenizer, retriever, questions, contexts, G, u, *, rollout_
     max_len = max(map(len, prompts)) + max_response_tokens(
         tokenizer, max_turns=max_turns, max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens)
     generate.decode(model, tokenizer, prompts, G, turn_end, max_len=max_len, max_turn_tokens=max_turn_tokens,
-                    temperature=temperature, top_p=top_p, uniforms=u, rows=rollout_rows, stop_strings=STOP_STRINGS)
+                    temperature=temperature, top_p=top_p, uniforms=u, rows=rollout_rows, stop_strings=STOP_STRINGS,
+                    compile=compile)
     return trajs
 
 

@@ -80,8 +80,14 @@ def child(args):
 
     def attention_flops(q, k, v, **kw):
         return 4.0 * q.numel() * k.shape[-2]  # (B, H, T, D) queries against S keys, scores and values
-    F.linear = timed(lambda x, w, b=None: "LM head" if w.shape[0] == vocab else "linears", F.linear, linear_flops)
-    F.scaled_dot_product_attention = timed("attention", F.scaled_dot_product_attention, attention_flops)
+    extra = dict(compile=True) if args.compile else {}  # compiled: no parts (the wrappers would not be traced)
+    if args.compile:  # the compiling rollout first, untimed (its shapes are the timed one's)
+        R.rollout(model, tok, index, questions, args.group, max_turns=args.turns, max_turn_tokens=args.cap,
+                  max_obs_tokens=256, top_k=3, temperature=1.0, top_p=0.95, rollout_rows=args.rollout_rows,
+                  generator=torch.Generator().manual_seed(args.seed + 1), compile=True)
+    else:
+        F.linear = timed(lambda x, w, b=None: "LM head" if w.shape[0] == vocab else "linears", F.linear, linear_flops)
+        F.scaled_dot_product_attention = timed("attention", F.scaled_dot_product_attention, attention_flops)
     for name in ("sample", "draw"):
         if hasattr(generate, name):
             setattr(generate, name, timed("sampling", getattr(generate, name)))
@@ -101,7 +107,7 @@ def child(args):
     else:
         trajs = R.rollout(model, tok, index, questions, args.group, max_turns=args.turns, max_turn_tokens=args.cap,
                           max_obs_tokens=256, top_k=3, temperature=1.0, top_p=0.95, rollout_rows=args.rollout_rows,
-                          generator=torch.Generator().manual_seed(args.seed))
+                          generator=torch.Generator().manual_seed(args.seed), **extra)
     wall = time.perf_counter() - t0
     print(json.dumps(dict(wall=wall, tokens=sum(sum(t.loss_mask) for t in trajs), spent=spent, flops=flops,
                           formatted=sum(t.stop == "answer" for t in trajs),
@@ -125,6 +131,7 @@ def main():
     ap.add_argument("--phase", default="rollout", choices=("rollout", "train"))
     ap.add_argument("--micro_batch", type=int, default=4, help="trajectories per forward/backward (train)")
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing (train)")
+    ap.add_argument("--compile", action="store_true", help="a third row: this checkout, decoding compiled (rollout)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -140,13 +147,16 @@ def main():
     limit = max(matmul_rate(r, cfg.hidden_size, cfg.intermediate_size, getattr(torch, args.dtype)) for r in (1024, 80))
     codes = [("before: " + os.path.basename(os.path.abspath(args.before)), args.before)] if args.before else []
     codes.append(("this checkout", HERE))
-    argv = [f"--{k}={v}" for k, v in vars(args).items() if k not in ("before", "parallel", "child", "checkpointing")]
+    if args.compile:
+        codes.append(("this checkout, compiled", HERE))
+    argv = [f"--{k}={v}" for k, v in vars(args).items()
+            if k not in ("before", "parallel", "child", "checkpointing", "compile")]
     argv += ["--checkpointing"] * args.checkpointing
     argv[argv.index(f"--world={args.world}")] = f"--world={os.path.abspath(args.world)}"
     procs = []
     for name, folder in codes:
         env = dict(os.environ, PYTHONPATH=os.path.abspath(folder), OMP_NUM_THREADS=str(args.threads))
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", *argv]
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", *argv] + ["--compile"] * name.endswith("compiled")
         procs.append((name, subprocess.Popen(cmd, env=env, cwd=folder, stdout=subprocess.PIPE, text=True)))
         if not args.parallel:
             procs[-1] = (name, procs[-1][1].communicate()[0], procs[-1][1].returncode)
@@ -166,13 +176,13 @@ def main():
     for name, r in rows:
         print(f"| {name} | {r['wall']:.1f} | {r['tokens']} | {r['tokens'] / r['wall']:.2f} | "
               f"{r['formatted']} | {r['searches']} |")
-    if len(rows) == 2:
-        (_, a), (_, b) = rows
-        print(f"\ntokens/s, this checkout / before: {b['tokens'] / b['wall'] / (a['tokens'] / a['wall']):.2f}x; "
-              f"seconds, before / this checkout: {a['wall'] / b['wall']:.2f}x")
+    for name, b in rows[1:] if args.before else []:
+        a = rows[0][1]
+        print(f"\ntokens/s, {name} / before: {b['tokens'] / b['wall'] / (a['tokens'] / a['wall']):.2f}x; "
+              f"seconds, before / {name}: {a['wall'] / b['wall']:.2f}x")
     print("\n| code | part | seconds | share | GFLOP/s | of the limit |\n|---|---|---|---|---|---|")
     for name, r in rows:
-        for part in PARTS + ("the rest",):
+        for part in PARTS + ("the rest",) if not name.endswith("compiled") else ():
             s = r["wall"] - sum(r["spent"].values()) if part == "the rest" else r["spent"][part]
             f = r["flops"].get(part, 0.0)
             rate = f"{f / s / 1e9:.1f} | {f / s / limit:.2f}" if f and s else " | "
