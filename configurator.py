@@ -9,7 +9,8 @@ default (an int is accepted for a float; true/false for a bool; `--key` alone me
 a path setting (`*_dir`, `*_file`) has its leading ~ expanded (the shell leaves it alone after `=`),
 an unknown key is refused with the list of keys, and `--help` prints every setting with its default
 and the comment beside it, read from the script itself. `check` refuses values out of range and
-missing paths before the script writes anything, each error naming its key.
+missing paths before the script writes anything, each error naming its key. evolve.py's own checks
+(each setting's range, the ranks, the context a trajectory needs) are at the end.
 
     python evolve.py --help
     python eval.py --help
@@ -17,6 +18,10 @@ missing paths before the script writes anything, each error naming its key.
 
 import math
 import os
+
+import ofsd
+from clipped_kl import CLIPS
+from rollout import make_prompt, max_response_tokens
 
 
 def settings(namespace):
@@ -87,3 +92,70 @@ def refuse(bad):
     """Stop before anything is written when there are errors."""
     if bad:
         raise SystemExit("bad settings, nothing was written:\n  " + "\n  ".join(bad))
+
+
+# ---------------------------------------------------------------------------------------------
+# evolve.py's checks: each setting in its range, the ranks, the context, before anything is written
+
+POSITIVE = ("grpo_lora_alpha", "grpo_lora_lr", "grpo_steps", "questions_per_step", "ppo_mini_batch", "micro_batch", "warmup_steps", "max_turn_tokens",
+            "max_obs_tokens", "top_k", "ofsd_questions", "lora_rank", "lora_epochs", "ofsd_micro_batch",
+            "eval_batch", "kl_chunk", "lr", "lora_lr", "lora_alpha", "clip_ratio", "max_grad_norm",
+            "temperature", "tau_clip", "search_workers")
+NOT_NEGATIVE = ("ofsd_kl_weight", "grpo_lora_rank", "iterations", "max_turns", "test_limit", "kl_coef", "entropy_coef", "seed", "world_seed",
+                "rollout_rows")
+CHOICES = dict(ofsd_loss=ofsd.LOSSES, kl_policy=("round", "initial"), ofsd_students=("any", "incorrect"), ofsd_clip=CLIPS,
+               ofsd_context=ofsd.CONTEXTS, ofsd_positions=ofsd.POSITIONS, dtype=("auto", "float32", "bfloat16"))
+
+def check_evolve(cfg):
+    """Refuse a setting out of its range before anything is written; the error names the key."""
+    bad = check(cfg, POSITIVE, NOT_NEGATIVE, CHOICES, dirs=("model_dir", "index_dir"),
+                             files=("train_file", "test_file"))
+    if cfg["group_size"] < 2:
+        bad.append(f"--group_size={cfg['group_size']}: must be >= 2 (a group of one has no advantage "
+                   "and gives no OFSD pair)")
+    if cfg["ppo_mini_batch"] > cfg["questions_per_step"]:
+        bad.append(f"--ppo_mini_batch={cfg['ppo_mini_batch']}: must be at most --questions_per_step="
+                   f"{cfg['questions_per_step']}")
+    if cfg["grpo_lora_rank"] and cfg["kl_policy"] == "initial" and cfg["iterations"] > 1:
+        bad.append(f"--kl_policy=initial with --grpo_lora_rank={cfg['grpo_lora_rank']}: a LoRA round's KL model is "
+                   "the policy with its adapter off, the round's own start; after the first round's merge the "
+                   "initial model is gone (use --kl_policy=round, or --iterations=1)")
+    if not 0 < cfg["top_p"] <= 1:
+        bad.append(f"--top_p={cfg['top_p']}: must be in (0, 1]")
+    if not (cfg["device"] in ("auto", "cpu", "cuda") or cfg["device"].startswith("cuda:")):
+        bad.append(f"--device={cfg['device']!r}: must be auto, cpu, cuda or cuda:N")
+    refuse(bad)
+
+
+def check_ranks(cfg, world_size, ppo_updates):
+    """Every rank needs questions, and the same number of training passes."""
+    q, n = cfg["questions_per_step"], cfg["ofsd_questions"]
+    if q % world_size or q // world_size < ppo_updates or n < world_size:
+        raise SystemExit(f"--questions_per_step={q} must be a multiple of the number of ranks ({world_size}) "
+                         f"with at least one question per rank for each of its {ppo_updates} updates, and "
+                         f"--ofsd_questions={n} at least the number of ranks: every rank needs questions, "
+                         "and the same number of training passes")
+    if cfg["compile"] and world_size > 1:
+        raise SystemExit("--compile=true is for one process (a sharded model's gathered weights are not "
+                         f"what torch.compile traced); this run has {world_size} ranks")
+
+
+def check_context(cfg, model_config, tokenizer, longest_question):
+    """A trajectory must fit the model's context: the longest question's prompt, then its response
+    (rollout.max_response_tokens: the KV cache holds all of it); OFSD's teacher view holds the
+    privileged text (ofsd.max_context_tokens) and the response. Refused before any weights or caches
+    are allocated."""
+    prompt = len(tokenizer.encode(tokenizer.chat_prompt(make_prompt(longest_question))))
+    response = max_response_tokens(tokenizer, max_turns=cfg["max_turns"], max_turn_tokens=cfg["max_turn_tokens"],
+                                   max_obs_tokens=cfg["max_obs_tokens"])
+    view = f"teacher view ({cfg['ofsd_context']})" if cfg["ofsd_rounds"] else "trajectory"
+    extra = ofsd.max_context_tokens(tokenizer, cfg["ofsd_context"], response, cfg["group_size"]) \
+        if cfg["ofsd_rounds"] else 0
+    longest = prompt + extra + response
+    if longest > model_config.max_position_embeddings:
+        raise SystemExit(
+            f"bad settings, nothing was written:\n  a {view} may reach {longest:,} tokens (a prompt of {prompt}"
+            f"{f', a privileged context of up to {extra:,}' if extra else ''} and a response of up to {response:,}: "
+            f"--max_turns={cfg['max_turns']} searching turns and the answer-only turn of --max_turn_tokens="
+            f"{cfg['max_turn_tokens']} + 1, and --max_turns observations of --max_obs_tokens={cfg['max_obs_tokens']}),"
+            f" over the model's context of {model_config.max_position_embeddings:,} (max_position_embeddings)")

@@ -45,9 +45,7 @@ from tokenizer import Tokenizer
 import ofsd
 import teacher_gap
 import toyagent
-from clipped_kl import CLIPS
 from retriever import load_index
-from rollout import make_prompt, max_response_tokens
 
 # ---------------------------------------------------------------------------------------------
 # config: plain constants, overridable as --key=value            (real scale: the anchor's value)
@@ -136,7 +134,7 @@ config_keys = list(DEFAULTS)
 def main():
     globals().update(parse_overrides(sys.argv[1:]))
     config = {k: globals()[k] for k in config_keys}
-    check_config(config)  # every setting, before anything is written
+    configurator.check_evolve(config)  # every setting, before anything is written
     width = Qwen2Config.from_json(os.path.join(lora.base_dir(model_dir), "config.json")).hidden_size if model_dir else \
         toyagent.BACKBONE["hidden_size"]  # decides "auto"'s dtype on CPU (fsdp.device_and_dtype)
     rank, world_size, dev, dt = fsdp.setup(device, dtype, width)
@@ -147,7 +145,7 @@ def main():
     else:
         checkpoint.check_run_dir(out_dir, overwrite)
     ppo_updates = questions_per_step // ppo_mini_batch
-    check_ranks(config, world_size, ppo_updates)
+    configurator.check_ranks(config, world_size, ppo_updates)
     checkpoint.barrier()  # every rank has checked before any rank writes
 
     # -----------------------------------------------------------------------------------------
@@ -161,7 +159,7 @@ def main():
     train = read_questions(train_file or os.path.join(world_dir, "train.jsonl"))
     test = read_questions(test_file or os.path.join(world_dir, "test.jsonl"), test_limit)
     tokenizer = Tokenizer(os.path.join(lora.base_dir(start_model), "tokenizer.json"))
-    check_context(config, Qwen2Config.from_json(os.path.join(lora.base_dir(start_model), "config.json")), tokenizer,
+    configurator.check_context(config, Qwen2Config.from_json(os.path.join(lora.base_dir(start_model), "config.json")), tokenizer,
                   max((q["question"] for q in train + test), key=len))
     rng = random.Random(seed)  # question order, identical on every rank
     # rollout sampling, its own stream per rank: seed * 1000 + rank keeps seeds' streams apart up to 1,000 ranks
@@ -302,71 +300,8 @@ def parse_overrides(argv):
     return configurator.parse(argv, DEFAULTS, __file__, __doc__)
 
 
-POSITIVE = ("grpo_lora_alpha", "grpo_lora_lr", "grpo_steps", "questions_per_step", "ppo_mini_batch", "micro_batch", "warmup_steps", "max_turn_tokens",
-            "max_obs_tokens", "top_k", "ofsd_questions", "lora_rank", "lora_epochs", "ofsd_micro_batch",
-            "eval_batch", "kl_chunk", "lr", "lora_lr", "lora_alpha", "clip_ratio", "max_grad_norm",
-            "temperature", "tau_clip", "search_workers")
-NOT_NEGATIVE = ("ofsd_kl_weight", "grpo_lora_rank", "iterations", "max_turns", "test_limit", "kl_coef", "entropy_coef", "seed", "world_seed",
-                "rollout_rows")
-CHOICES = dict(ofsd_loss=ofsd.LOSSES, kl_policy=("round", "initial"), ofsd_students=("any", "incorrect"), ofsd_clip=CLIPS,
-               ofsd_context=ofsd.CONTEXTS, ofsd_positions=ofsd.POSITIONS, dtype=("auto", "float32", "bfloat16"))
 RESUME_MAY_CHANGE = ("resume", "overwrite", "out_dir", "world_dir", "iterations", "eval_batch", "micro_batch",
                      "kl_chunk", "activation_checkpointing", "rollout_rows", "search_workers", "compile")  # paths, length, speed, memory
-
-
-def check_config(cfg):
-    """Refuse a setting out of its range before anything is written; the error names the key."""
-    bad = configurator.check(cfg, POSITIVE, NOT_NEGATIVE, CHOICES, dirs=("model_dir", "index_dir"),
-                             files=("train_file", "test_file"))
-    if cfg["group_size"] < 2:
-        bad.append(f"--group_size={cfg['group_size']}: must be >= 2 (a group of one has no advantage "
-                   "and gives no OFSD pair)")
-    if cfg["ppo_mini_batch"] > cfg["questions_per_step"]:
-        bad.append(f"--ppo_mini_batch={cfg['ppo_mini_batch']}: must be at most --questions_per_step="
-                   f"{cfg['questions_per_step']}")
-    if cfg["grpo_lora_rank"] and cfg["kl_policy"] == "initial" and cfg["iterations"] > 1:
-        bad.append(f"--kl_policy=initial with --grpo_lora_rank={cfg['grpo_lora_rank']}: a LoRA round's KL model is "
-                   "the policy with its adapter off, the round's own start; after the first round's merge the "
-                   "initial model is gone (use --kl_policy=round, or --iterations=1)")
-    if not 0 < cfg["top_p"] <= 1:
-        bad.append(f"--top_p={cfg['top_p']}: must be in (0, 1]")
-    if not (cfg["device"] in ("auto", "cpu", "cuda") or cfg["device"].startswith("cuda:")):
-        bad.append(f"--device={cfg['device']!r}: must be auto, cpu, cuda or cuda:N")
-    configurator.refuse(bad)
-
-
-def check_ranks(cfg, world_size, ppo_updates):
-    """Every rank needs questions, and the same number of training passes."""
-    q, n = cfg["questions_per_step"], cfg["ofsd_questions"]
-    if q % world_size or q // world_size < ppo_updates or n < world_size:
-        raise SystemExit(f"--questions_per_step={q} must be a multiple of the number of ranks ({world_size}) "
-                         f"with at least one question per rank for each of its {ppo_updates} updates, and "
-                         f"--ofsd_questions={n} at least the number of ranks: every rank needs questions, "
-                         "and the same number of training passes")
-    if cfg["compile"] and world_size > 1:
-        raise SystemExit("--compile=true is for one process (a sharded model's gathered weights are not "
-                         f"what torch.compile traced); this run has {world_size} ranks")
-
-
-def check_context(cfg, model_config, tokenizer, longest_question):
-    """A trajectory must fit the model's context: the longest question's prompt, then its response
-    (rollout.max_response_tokens: the KV cache holds all of it); OFSD's teacher view holds the
-    privileged text (ofsd.max_context_tokens) and the response. Refused before any weights or caches
-    are allocated."""
-    prompt = len(tokenizer.encode(tokenizer.chat_prompt(make_prompt(longest_question))))
-    response = max_response_tokens(tokenizer, max_turns=cfg["max_turns"], max_turn_tokens=cfg["max_turn_tokens"],
-                                   max_obs_tokens=cfg["max_obs_tokens"])
-    view = f"teacher view ({cfg['ofsd_context']})" if cfg["ofsd_rounds"] else "trajectory"
-    extra = ofsd.max_context_tokens(tokenizer, cfg["ofsd_context"], response, cfg["group_size"]) \
-        if cfg["ofsd_rounds"] else 0
-    longest = prompt + extra + response
-    if longest > model_config.max_position_embeddings:
-        raise SystemExit(
-            f"bad settings, nothing was written:\n  a {view} may reach {longest:,} tokens (a prompt of {prompt}"
-            f"{f', a privileged context of up to {extra:,}' if extra else ''} and a response of up to {response:,}: "
-            f"--max_turns={cfg['max_turns']} searching turns and the answer-only turn of --max_turn_tokens="
-            f"{cfg['max_turn_tokens']} + 1, and --max_turns observations of --max_obs_tokens={cfg['max_obs_tokens']}),"
-            f" over the model's context of {model_config.max_position_embeddings:,} (max_position_embeddings)")
 
 
 def grpo_line(m, it):

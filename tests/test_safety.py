@@ -19,7 +19,8 @@ from conftest import random_model, tiny_config
 from test_evolve import ROOT, evolve
 
 sys.path.insert(0, ROOT)
-from evolve import DEFAULTS, check_config, check_context  # noqa: E402
+from configurator import check_context, check_evolve  # noqa: E402
+from evolve import DEFAULTS  # noqa: E402
 
 
 def good_config(**changes):
@@ -105,13 +106,13 @@ def test_metrics_are_cut_back_to_the_checkpoint():
 def test_bad_setting_is_named(change, named):
     """Each out-of-range setting is refused before anything is written, naming key and range."""
     with pytest.raises(SystemExit, match=None) as e:
-        check_config(good_config(**change))
+        check_evolve(good_config(**change))
     assert named in str(e.value)
 
 
 def test_defaults_pass_the_checks():
-    """The shipped configuration passes check_config."""
-    check_config(good_config())
+    """The shipped configuration passes check_evolve."""
+    check_evolve(good_config())
 
 
 def test_trajectory_longer_than_the_context_is_refused(micro, tmp_path):
