@@ -97,13 +97,14 @@ def refuse(bad):
 # ---------------------------------------------------------------------------------------------
 # evolve.py's checks: each setting in its range, the ranks, the context, before anything is written
 
-POSITIVE = ("grpo_lora_alpha", "grpo_lora_lr", "grpo_steps", "questions_per_step", "ppo_mini_batch", "micro_batch", "warmup_steps", "max_turn_tokens",
-            "max_obs_tokens", "top_k", "ofsd_questions", "lora_rank", "lora_epochs", "ofsd_micro_batch",
-            "eval_batch", "kl_chunk", "lr", "lora_lr", "lora_alpha", "clip_ratio", "max_grad_norm",
+POSITIVE = ("grpo_lora_alpha", "grpo_lora_lr", "grpo_steps", "questions_per_step", "ppo_mini_batch", "micro_batch",
+            "warmup_steps", "max_turn_tokens", "max_obs_tokens", "top_k", "ofsd_questions", "lora_rank", "lora_epochs",
+            "ofsd_micro_batch", "eval_batch", "kl_chunk", "lr", "lora_lr", "lora_alpha", "clip_ratio", "max_grad_norm",
             "temperature", "tau_clip", "search_workers")
-NOT_NEGATIVE = ("ofsd_kl_weight", "grpo_lora_rank", "iterations", "max_turns", "test_limit", "kl_coef", "entropy_coef", "seed", "world_seed",
-                "rollout_rows")
-CHOICES = dict(ofsd_loss=ofsd.LOSSES, kl_policy=("round", "initial"), ofsd_students=("any", "incorrect"), ofsd_clip=CLIPS,
+NOT_NEGATIVE = ("ofsd_kl_weight", "grpo_lora_rank", "iterations", "max_turns", "test_limit", "kl_coef", "entropy_coef",
+                "seed", "world_seed", "rollout_rows")
+CHOICES = dict(ofsd_loss=ofsd.LOSSES, kl_policy=("round", "initial"), ofsd_students=("any", "incorrect"),
+               ofsd_clip=CLIPS,
                ofsd_context=ofsd.CONTEXTS, ofsd_positions=ofsd.POSITIONS, dtype=("auto", "float32", "bfloat16"))
 
 def check_evolve(cfg):

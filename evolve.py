@@ -159,8 +159,8 @@ def main():
     train = read_questions(train_file or os.path.join(world_dir, "train.jsonl"))
     test = read_questions(test_file or os.path.join(world_dir, "test.jsonl"), test_limit)
     tokenizer = Tokenizer(os.path.join(lora.base_dir(start_model), "tokenizer.json"))
-    configurator.check_context(config, Qwen2Config.from_json(os.path.join(lora.base_dir(start_model), "config.json")), tokenizer,
-                  max((q["question"] for q in train + test), key=len))
+    configurator.check_context(config, Qwen2Config.from_json(os.path.join(lora.base_dir(start_model), "config.json")),
+                               tokenizer, max((q["question"] for q in train + test), key=len))
     rng = random.Random(seed)  # question order, identical on every rank
     # rollout sampling, its own stream per rank: seed * 1000 + rank keeps seeds' streams apart up to 1,000 ranks
     gen = torch.Generator(device=dev).manual_seed(seed * 1000 + rank)

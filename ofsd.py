@@ -1,28 +1,24 @@
 """OFSD: offline self-distillation from the policy's own better sibling (Search-E1's contribution).
 
 An OFSD round follows a GRPO round (METHOD.md, "OFSD"):
-1. Mine. G rollouts of the current policy per question, EM rewards; per group with a correct rollout
-   one pair: tau_ref = the correct one with the fewest searches (then the fewest policy tokens);
-   tau_stu = the incorrect one that differs most from it (bigram distance over policy tokens), else
-   the correct one, other than tau_ref, that differs most.
+1. Mine. G rollouts per question, EM rewards; per group with a correct rollout one pair: tau_ref =
+   the correct one with the fewest searches (then policy tokens); tau_stu = the incorrect one that
+   differs most from it (bigram distance of policy tokens), else the most different other correct one.
 2. Two views of tau_stu, one set of weights:
      student  chat(instruction || q)             then tau_stu      (the LoRA adapter on)
      teacher  chat(instruction || q || C(pair))  then tau_stu      (the adapter off: the frozen base)
-   C is `ofsd_context`: tau_ref's whole response ("full", the paper's), cut before its answer
-   ("no_answer"), its search queries ("queries"), or every sibling's queries marked correct or
-   incorrect ("group_queries").
-3. The loss, over tau_stu's loss positions R (`ofsd_positions`: "policy" every token its policy
+   C (`ofsd_context`): tau_ref's response ("full", the paper's), cut before its answer ("no_answer"),
+   its queries ("queries"), or every sibling's queries marked correct or not ("group_queries").
+3. The loss over tau_stu's loss positions R (`ofsd_positions`: "policy" every token its policy
    sampled, the paper's; "queries" those of its search queries), Pt / Ps the teacher's / student's
    next-token distributions, the teacher's without gradient:
      L = 1/|R| sum_{p in R} sum_v min(Pt_p(v) log(Pt_p(v) / Ps_p(v)), tau_clip)      ofsd_clip "vocab"
-   the paper's formula; "position" clips each position's KL instead, "none" not at all (clipped_kl.py
-   has the gradients, and why "vocab" pushes the student away from its teacher's favourite token).
-   `ofsd_loss` "nll" fits tau_ref's own policy tokens in the student view instead (the rft control:
-   the successful sibling without a teacher), "nll_kl" adds the two.
+   ("position" clips each position's KL instead, "none" not at all; clipped_kl.py has the gradients).
+   `ofsd_loss` "nll" fits tau_ref's own policy tokens in the student view instead (the rft control),
+   "nll_kl" adds the two.
 4. AdamW on the adapter alone, then merge it: the next GRPO round's policy.
-What the teacher view knows that the student view does not is measured in teacher_gap.py.
-
-Left out: reverse KL, mixing OFSD with RL in one loss, several full references per pair.
+Diagnostics (what the teacher view knows that the student view does not) are teacher_gap.py's.
+Left out: reverse KL, mixing OFSD with RL in one loss, several references per pair.
 
     python evolve.py --ofsd_loss=nll      # the loop runs the rounds; python clipped_kl.py checks the loss
 """
@@ -345,15 +341,6 @@ def teacher_states(model, data, micro_batch):
             h_t = gather_hidden(model, [d.teacher for d in part], [d.teacher_pos for d in part])  # (N, d)
             out += h_t.split([len(d.teacher_pos) for d in part])
     return out
-
-
-def pair_items(model, tokenizer, pairs, micro_batch, context, positions):
-    """(PairSequences, teacher states (n, d)) for each Pair whose student has a loss position (one
-    without has nothing to learn); the teacher view is what `context` renders, the positions what
-    `positions` names; the teacher states are the model's as it is now, adapter off."""
-    data = [pair_sequences(tokenizer, p.stu, privileged(tokenizer, p, context), positions) for p in pairs]
-    data = [d for d in data if d.student_pos]
-    return list(zip(data, teacher_states(model, data, micro_batch)))
 
 
 @torch.no_grad()

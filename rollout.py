@@ -1,38 +1,24 @@
-"""The Search-R1 task and its multi-turn search rollouts with loss masks.
+"""The Search-R1 task: its prompt, its turn, multi-turn search rollouts with loss masks, EM reward.
 
-This file defines the task (METHOD.md, "The task"): the instruction, the observation block
-around the documents (retriever.format_docs writes each "Doc i(Title: ...)" line), the
-invalid-action message, answer extraction, and the exact-match reward.
-
-Protocol: the question goes into the fixed instruction below, rendered as one user message with
-the checkpoint's own chat template (`tokenizer.chat_prompt`). The model writes one turn until it
-closes </search> or </answer>, ends its turn with an end-of-turn token, or hits the per-turn
-cap. An end-of-turn token is not kept: not in the tokens, the mask, the log-probs or the KV
-cache (Search-R1 decodes each turn without special tokens). The first <search>q</search> or
-<answer>a</answer> of the turn is its action:
-    search  -> "\\n\\n<information>" + top-k documents ("Doc {i}(Title: {title}) {text}\\n") +
-               "</information>\\n\\n" is appended (truncated to the observation cap), and
-               generation continues;
+The question goes into the fixed instruction below, one user message in the checkpoint's own chat
+template. The model writes a turn until it closes </search> or </answer>, writes an end-of-turn
+token (dropped: not in the tokens, the mask, the log-probs or the KV cache, as Search-R1 decodes
+without special tokens) or hits the per-turn cap. The turn's first <search>q</search> or
+<answer>a</answer> is its action:
+    search  -> "\n\n<information>" + the top-k documents + "</information>\n\n" is appended
+               (cut to the observation cap), and the model writes on;
     answer  -> the trajectory ends;
-    neither -> the fixed invalid-action message is appended and generation continues.
-After `max_turns` such turns, one last turn may only answer (a search there is not executed).
+    neither -> the invalid-action message is appended, and the model writes on.
+After `max_turns` such turns, one last turn may only answer (a search there is not run).
 
-A trajectory is (tokens, loss_mask, logprobs, ...): loss_mask is 1 exactly where the policy
-sampled the token, 0 on the prompt, the observations and the injected messages. GRPO and OFSD
-both use this one definition.
+A trajectory is (tokens, loss_mask, logprobs, ...): loss_mask is 1 exactly where the policy sampled
+the token; prompt, observations and injected messages are 0. GRPO and OFSD both use it.
+Reward: EM of the last <answer> the model wrote against any gold answer, both normalised (lowercase,
+no punctuation or articles, whitespace squeezed); no format reward.
 
-Decoding is generate.decode's (the engine: one KV cache of `rollout_rows` rows, each prompt
-prefilled once for its G samples, continuous batching, no barrier between turns); this file hands it
-the prompts and `turn_end`, the turn above, which it calls with every row whose turn just ended (the
-searches of one step are one batched call). The k-th token trajectory i samples uses the uniform
-u[i, k] of one table drawn from the generator at the start, so what a row draws does not depend on
-the rows beside it, on when they stop or on `rollout_rows`.
-
-Reward: R = EM(answer, gold) in {0, 1}, where the answer is the last <answer>...</answer> the
-model wrote and both sides are normalised (lowercase, punctuation and the articles a/an/the
-dropped, whitespace collapsed); any gold answer may match. No format reward.
-
-Left out: paged attention (a row's slots are preallocated for its longest possible trajectory), vLLM.
+Decoding is generate.decode's; this file hands it the prompts and the turn (`turn_end`). Trajectory
+i's k-th token is drawn at u[i, k] of one table of uniforms, so a trajectory does not depend on the
+rows beside it or on `rollout_rows`. Left out: paged attention, vLLM.
 
     python rollout.py CHECKPOINT_DIR INDEX_DIR "Who founded the company that makes the iPhone?"
 """

@@ -34,7 +34,7 @@ def searcher(trajs):
 
 
 def student_gradient(model, tokenizer, pairs, context, clip):
-    """The round's own loss (pair_items, then pair_loss on a fresh adapter) and its gradient's largest entry."""
+    """The round's own loss (teacher states, then pair_loss on a fresh adapter) and its gradient's largest entry."""
     model = copy.deepcopy(model)
     data = [ofsd.pair_sequences(tokenizer, p.stu, context(p)) for p in pairs]
     items = list(zip(data, ofsd.teacher_states(model, data, 2)))
@@ -168,7 +168,8 @@ def test_nll_kl_loss_adds_the_weighted_kl_to_the_nll(agent, tokenizer, group):
     chosen teacher view, at the start (a fresh adapter changes nothing yet)."""
     pair = ofsd.Pair(searcher(group), group[1], True, group=tuple((tuple(t.queries), 1.0) for t in group))
     model = copy.deepcopy(agent)
-    items = ofsd.pair_items(model, tokenizer, [pair], 1, "queries", "policy")
+    data = [ofsd.pair_sequences(tokenizer, pair.stu, ofsd.privileged(tokenizer, pair, "queries"), "policy")]
+    items = list(zip(data, ofsd.teacher_states(model, data, 1)))
     with torch.no_grad():
         want = ofsd.tau_ref_nll(model, [pair.ref], 0).item() + 0.5 * ofsd.pair_loss(model, items, 0.0, "none", 7).item()
     m = ofsd.distill(model, tokenizer, [pair], ofsd_loss="nll_kl", kl_weight=0.5, lora_rank=4, lora_alpha=8,
