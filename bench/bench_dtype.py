@@ -21,63 +21,13 @@ slower than float32 itself: the bfloat16 row is then skipped, with the reason, u
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fsdp  # noqa: E402
-import generate  # noqa: E402
-import grpo  # noqa: E402
+from common import decode, grpo_pass, prefill, warm  # noqa: E402  (bench/common.py)
 from model import Qwen2Config, load  # noqa: E402
-
-
-def prompts(vocab, batch, length, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(1000, vocab - 1000, (batch, length), generator=g).tolist()
-
-
-def warm(measure):
-    """The second of two identical calls of `measure` (the first warms weights and kernels)."""
-    measure()
-    return measure()
-
-
-@torch.no_grad()
-def prefill(model, batch, length):
-    """Prompt tokens/s of one prefill of `batch` prompts of `length` tokens."""
-    p = prompts(model.config.vocab_size, batch, length, 0)
-    cache = generate.new_cache(model, batch, length + 1)
-    t0 = time.perf_counter()
-    generate.extend(model, cache, p)
-    return batch * length / (time.perf_counter() - t0)
-
-
-@torch.no_grad()
-def decode(model, tokenizer, batch, steps, prompt=256):
-    """New tokens/s of `steps` sampled tokens per row, every row generating (the prefill's time, measured
-    alone on the same prompts, taken off)."""
-    p = prompts(model.config.vocab_size, batch, prompt, 1)
-    cache = generate.new_cache(model, batch, prompt + 1)
-    t0 = time.perf_counter()
-    generate.extend(model, cache, p)
-    t1 = time.perf_counter()
-    generate.generate(model, tokenizer, p, steps, temperature=1.0, top_p=0.95,
-                      generator=torch.Generator().manual_seed(0), stop_ids=())
-    return batch * steps / (time.perf_counter() - t1 - (t1 - t0))
-
-
-def grpo_pass(model, batch, length):
-    """Seconds of one forward + backward of the policy's log-probs and entropy (grpo.token_logprobs)."""
-    ids = torch.tensor(prompts(model.config.vocab_size, batch, length, 2))
-    valid = torch.ones_like(ids, dtype=torch.bool)
-    mask = torch.zeros_like(valid)
-    mask[:, -length // 6:] = True  # the policy's tokens: a sixth of a search trajectory
-    model.zero_grad(set_to_none=True)
-    t0 = time.perf_counter()
-    logp, entropy = grpo.token_logprobs(model, ids, valid, mask, 1.0, entropy=True)
-    (-logp.mean() - 0.001 * entropy.mean()).backward()
-    return time.perf_counter() - t0
 
 
 def main():

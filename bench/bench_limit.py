@@ -37,8 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_dtype import decode, grpo_pass, prefill, warm  # noqa: E402
-from common import matmul_rate  # noqa: E402
+from common import decode, grpo_pass, matmul_rate, prefill, warm  # noqa: E402
 import fsdp  # noqa: E402
 from model import load  # noqa: E402
 

@@ -32,30 +32,12 @@ import grpo  # noqa: E402
 from model import Qwen2, Qwen2Config, load  # noqa: E402
 from rollout import Trajectory, max_response_tokens  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
+from common import SIZES, n_params, state_formula  # noqa: E402  (bench/common.py)
 
 GB = 1e9
-SIZES = {  # Qwen2.5-*-Instruct config.json values
-    "0.5B": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                 num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
-    "3B": dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
-               num_attention_heads=16, num_key_value_heads=2, tie_word_embeddings=True),
-    "7B": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-               num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
-}
 # docs/real-scale.md's rollout: 64 trajectories decoded at once, a 300-token prompt, 4 searching turns
 ROLLOUT_ROWS, PROMPT, TURNS = 64, 300, dict(max_turns=4, max_turn_tokens=500, max_obs_tokens=500)
 MICRO_TOKENS, LOSS_TOKENS = 4 * 2000, 4 * 600
-
-
-def n_params(cfg):
-    with torch.device("meta"):
-        return sum(p.numel() for p in Qwen2(cfg).parameters())
-
-
-def state_formula(P, ranks):
-    """float32 parameters, gradients, two AdamW moments (+ step counters) and the float32 KL model,
-    each split over the ranks."""
-    return dict(params=4 * P / ranks, grads=4 * P / ranks, optimizer=8 * P / ranks, reference=4 * P / ranks)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,7 +1,11 @@
-"""What the speed and memory benches share: model shapes, made trajectories (the same in every code
-version a bench compares), the peak resident set and the machine's matmul rate."""
+"""What the speed and memory benches share: model shapes and their state's size, made trajectories (the
+same in every code version a bench compares), the peak resident set, the machine's matmul rate, and
+the phases bench_dtype and bench_limit time (prefill, decode, a GRPO pass). Modules of the repository
+are imported inside the functions: bench_side_by_side runs them over another checkout's code."""
 
 import time
+
+import torch
 
 SHAPES = {  # random-weight models of real and toy shape (the 0.5B's: Qwen2.5-0.5B's config.json)
     "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -47,3 +51,77 @@ def matmul_rate(rows, d, inner, dtype, seconds=2.0):
         x @ w
         n += 1
     return 2 * rows * d * inner * n / (time.perf_counter() - t0)
+
+
+SIZES = {  # Qwen2.5-*-Instruct config.json values
+    "0.5B": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
+    "3B": dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+               num_attention_heads=16, num_key_value_heads=2, tie_word_embeddings=True),
+    "7B": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+               num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
+}
+
+
+def n_params(cfg):
+    """Parameters of a Qwen2 of this config (built on the meta device: no memory)."""
+    from model import Qwen2
+    with torch.device("meta"):
+        return sum(p.numel() for p in Qwen2(cfg).parameters())
+
+
+def state_formula(P, ranks):
+    """float32 parameters, gradients, two AdamW moments (+ step counters) and the float32 KL model,
+    each split over the ranks."""
+    return dict(params=4 * P / ranks, grads=4 * P / ranks, optimizer=8 * P / ranks, reference=4 * P / ranks)
+
+
+def prompts(vocab, batch, length, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1000, vocab - 1000, (batch, length), generator=g).tolist()
+
+
+def warm(measure):
+    """The second of two identical calls of `measure` (the first warms weights and kernels)."""
+    measure()
+    return measure()
+
+
+@torch.no_grad()
+def prefill(model, batch, length):
+    """Prompt tokens/s of one prefill of `batch` prompts of `length` tokens."""
+    import generate
+    p = prompts(model.config.vocab_size, batch, length, 0)
+    cache = generate.new_cache(model, batch, length + 1)
+    t0 = time.perf_counter()
+    generate.extend(model, cache, p)
+    return batch * length / (time.perf_counter() - t0)
+
+
+@torch.no_grad()
+def decode(model, tokenizer, batch, steps, prompt=256):
+    """New tokens/s of `steps` sampled tokens per row, every row generating (the prefill's time, measured
+    alone on the same prompts, taken off)."""
+    import generate
+    p = prompts(model.config.vocab_size, batch, prompt, 1)
+    cache = generate.new_cache(model, batch, prompt + 1)
+    t0 = time.perf_counter()
+    generate.extend(model, cache, p)
+    t1 = time.perf_counter()
+    generate.generate(model, tokenizer, p, steps, temperature=1.0, top_p=0.95,
+                      generator=torch.Generator().manual_seed(0), stop_ids=())
+    return batch * steps / (time.perf_counter() - t1 - (t1 - t0))
+
+
+def grpo_pass(model, batch, length):
+    """Seconds of one forward + backward of the policy's log-probs and entropy (grpo.token_logprobs)."""
+    import grpo
+    ids = torch.tensor(prompts(model.config.vocab_size, batch, length, 2))
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    mask = torch.zeros_like(valid)
+    mask[:, -length // 6:] = True  # the policy's tokens: a sixth of a search trajectory
+    model.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    logp, entropy = grpo.token_logprobs(model, ids, valid, mask, 1.0, entropy=True)
+    (-logp.mean() - 0.001 * entropy.mean()).backward()
+    return time.perf_counter() - t0

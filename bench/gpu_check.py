@@ -44,7 +44,7 @@ import fsdp  # noqa: E402
 import generate  # noqa: E402
 import model  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
-from bench_memory import SIZES, n_params, state_formula  # noqa: E402
+from common import SIZES, n_params, state_formula  # noqa: E402  (bench/common.py)
 from test_clipped_kl import grad_bound, row_kl, tau_between  # noqa: E402  (the tests' bounds, one definition)
 
 DEV = fsdp.device_and_dtype("cpu" if SMOKE else "cuda", "float32", 0)[0]  # "cuda:0": the index torch needs
