@@ -5,16 +5,20 @@ Sections (each row: what was run, the numbers, ok or not):
               inputs, odd N and V: max error of the loss and the gradient; then time and peak
               memory of the spec, chunked, Triton and fused paths at a 3B shape (8,192 positions,
               d 2,048, V 151,936; the spec only where it fits)
-  generate    tokens/s of model.generate (batched KV-cache decode, bfloat16, random weights) at
+  generate    tokens/s of generate.generate (batched KV-cache decode, bfloat16, random weights) at
               the 0.5B and 3B shapes, batch 64 and 256, 512-token prompts, 256 new tokens, its
-              prefill time, and transformers' generate on the same weights and prompts
+              prefill time, eager and compiled (`compile`: CUDA graphs), against transformers'
+              generate on the same weights and prompts, eager and with its static cache compiled;
+              then the 0.5B's decoding step under torch.profiler (the top operators by self time,
+              and the share of the step the GPU was busy)
   loop        evolve.py's real path on the device: one GRPO step (16 questions x 5) and one OFSD
               round in bfloat16 mixed precision (FSDP2, one rank) on the toy world's questions,
               with the checkpoint given (--checkpoint or QWEN_CHECKPOINT; else the toy backbone),
               peak memory against bench_memory's state formula; the row fails unless the round
               mined pairs (so it distilled) and nothing is NaN
   nccl        the same loop on two ranks over NCCL, when the machine has two GPUs (else skipped)
-`--smoke` runs every section on CPU at tiny shapes (the kernel under TRITON_INTERPRET=1, the
+Each section stops at its time limit (--limits, 8 minutes in all; a row says so) and prints its rows as they
+finish. `--smoke` runs every section on CPU at tiny shapes (the kernel under TRITON_INTERPRET=1, the
 loop on the toy backbone in bfloat16 on one gloo rank) in a few minutes; a test runs it, so the
 script cannot rot between GPU visits. Without Triton the kernel's rows are skipped, the reason printed.
 
@@ -25,6 +29,7 @@ script cannot rot between GPU visits. Without Triton the kernel's rows are skipp
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -151,36 +156,81 @@ def random_model(cfg, dtype):
     return m.eval()
 
 
-def generate_rows(tmp):
+def generate_rows(tmp, emit):
     import transformers
-    rows = []
     tok = Tokenizer.train(["the search engine returns documents"] * 10, 300, os.path.join(tmp, "tok.json"))
     tiny = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, tie_word_embeddings=True)
     shapes = {"tiny": tiny} if SMOKE else {"0.5B": SIZES["0.5B"], "3B": SIZES["3B"]}
     batches, prompt_len, new = ((2, 4), 16, 8) if SMOKE else ((64, 256), 512, 256)
     dt = torch.bfloat16
-    for shape, cfg in shapes.items():
+    for shape, cfg in shapes.items():  # the 0.5B at batch 256 first: the row the GPU target is about
         ours = random_model(dict(cfg, rope_theta=1e6), dt)
         folder = os.path.join(tmp, shape)
         model.save(ours, tok, folder)
         ref = transformers.Qwen2ForCausalLM.from_pretrained(folder, dtype=dt).to(DEV).eval()
-        for b in batches:
+        for b in sorted(batches, reverse=True):
             prompts = torch.randint(0, cfg["vocab_size"], (b, prompt_len), generator=torch.Generator().manual_seed(b))
-            prefill, _ = timed(lambda: generate.generate(ours, tok, prompts.tolist(), 1, stop_ids=[]), repeats=1)
-            sec, peak = timed(lambda: generate.generate(ours, tok, prompts.tolist(), new, stop_ids=[]), repeats=1)
             p = prompts.to(DEV)
-            with torch.no_grad():
-                ref_sec, ref_peak = timed(lambda: ref.generate(
-                    p, attention_mask=torch.ones_like(p), do_sample=False, max_new_tokens=new, min_new_tokens=new,
-                    eos_token_id=None, pad_token_id=0), repeats=1)
-            rows.append(dict(section="generate", what=f"{shape} batch {b}, prompt {prompt_len}, {new} new, bfloat16",
-                             tokens_per_s=b * new / sec, prefill_s=prefill, peak_gib=peak,
-                             transformers_tokens_per_s=b * new / ref_sec, transformers_peak_gib=ref_peak,
-                             speedup=ref_sec / sec, ok=True))
-        if DEV == "cuda":
+
+            def ours_run(n, compile=False):
+                return generate.generate(ours, tok, prompts.tolist(), n, stop_ids=[], compile=compile)[0]
+
+            def ref_run(static=False):
+                with torch.no_grad():
+                    return ref.generate(p, attention_mask=torch.ones_like(p), do_sample=False, max_new_tokens=new,
+                                        min_new_tokens=new, eos_token_id=None, pad_token_id=0,
+                                        **(dict(cache_implementation="static") if static else {}))
+            what = f"{shape} batch {b}, prompt {prompt_len}, {new} new, bfloat16"
+            prefill, _ = timed(lambda: ours_run(1), repeats=1)
+            out = []
+            sec, peak = timed(lambda: out.append(ours_run(new)), repeats=1)
+            emit(dict(section="generate", what=what, tokens_per_s=b * new / sec, prefill_s=prefill, peak_gib=peak,
+                      ok=True))
+            t0 = time.perf_counter()
+            same = ours_run(new, compile=True) == out[0]  # the first compiled call compiles
+            first = time.perf_counter() - t0
+            sec_c, peak = timed(lambda: ours_run(new, compile=True), repeats=1)
+            emit(dict(section="generate", what=what + ", compiled", tokens_per_s=b * new / sec_c, peak_gib=peak,
+                      compile_s=first, greedy_tokens_equal_eager=same, ok=same))
+            ref_sec, ref_peak = timed(ref_run, repeats=1)
+            emit(dict(section="generate", what=what + ", transformers", transformers_tokens_per_s=b * new / ref_sec,
+                      transformers_peak_gib=ref_peak, ours_compiled_over_transformers=ref_sec / sec_c, ok=True))
+            if not SMOKE:  # transformers' compiled static cache takes minutes to compile on a CPU
+                ref.forward = torch.compile(ref.forward, mode="reduce-overhead", fullgraph=True)
+                ref_run(static=True)  # compiles
+                ref_sec, ref_peak = timed(lambda: ref_run(static=True), repeats=1)
+                ref.forward = ref.forward._torchdynamo_orig_callable
+                emit(dict(section="generate", what=what + ", transformers static cache compiled",
+                          transformers_tokens_per_s=b * new / ref_sec, transformers_peak_gib=ref_peak,
+                          ours_compiled_over_transformers=ref_sec / sec_c, ok=True))
+            if shape == next(iter(shapes)) and b == max(batches):
+                emit(profile_row(ours, tok, b, prompt_len, shape))
+        ours = ref = None  # freed before the next shape
+        if DEV != "cpu":
             torch.cuda.empty_cache()
-    return rows
+    return []
+
+
+def profile_row(ours, tok, b, prompt_len, shape, steps=16):
+    """The eager decoding step under torch.profiler: the top operators by self time (CUDA's when on
+    a GPU) over `steps` steps of `b` rows, and how busy the GPU was (its kernels' time / wall time)."""
+    from torch.profiler import ProfilerActivity, profile
+    prompts = torch.randint(0, ours.config.vocab_size, (b, prompt_len), generator=torch.Generator().manual_seed(0))
+    generate.generate(ours, tok, prompts.tolist(), 2, stop_ids=[])  # warm
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEV != "cpu" else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        generate.generate(ours, tok, prompts.tolist(), steps, stop_ids=[])
+        sync()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    key = "self_device_time_total" if DEV != "cpu" else "self_cpu_time_total"
+    top = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:6]
+    busy = sum(e.self_device_time_total for e in events) / 1e6 / wall if DEV != "cpu" else None
+    return dict(section="profile", what=f"{shape} decode, batch {b}, prompt {prompt_len}, {steps} steps, eager",
+                wall_s=wall, gpu_busy=busy, top=", ".join(f"{e.key} {getattr(e, key) / 1e3:.1f}ms x{e.count}"
+                                                         for e in top), ok=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -245,22 +295,42 @@ def main():
     ap.add_argument("--out", default="gpu_check.json")
     ap.add_argument("--checkpoint", default=os.environ.get("QWEN_CHECKPOINT", ""))
     ap.add_argument("--sections", default="loss,generate,loop")
+    ap.add_argument("--limits", default="loss=90,generate=270,loop=120", help="seconds each section may take")
     args = ap.parse_args()
     if not SMOKE and not torch.cuda.is_available():
         sys.exit("no CUDA device: run with --smoke for the CPU check")
     rows, t0 = [], time.time()
+    device = "CPU (smoke)" if SMOKE else torch.cuda.get_device_name()
+    print(f"gpu_check on {device}, torch {torch.__version__}\n\n| section | what | numbers | ok |\n|---|---|---|---|",
+          flush=True)
+
+    def emit(row):  # each row printed as it finishes: a section cut short keeps what it measured
+        rows.append(row)
+        print(fmt(row), flush=True)
+
+    class OutOfTime(BaseException):  # not an Exception: nothing in a section catches it (Triton's interpreter would)
+        pass
+
+    def out_of_time(*_):
+        raise OutOfTime
+
+    signal.signal(signal.SIGALRM, out_of_time)
+    limits = {k: int(v) for k, v in (x.split("=") for x in args.limits.split(","))}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, fn in (("loss", loss_rows), ("generate", lambda: generate_rows(tmp)),
+        for name, fn in (("loss", loss_rows), ("generate", lambda: generate_rows(tmp, emit)),
                          ("loop", lambda: loop_rows(tmp, args.checkpoint))):
             if name in args.sections.split(","):
                 t1 = time.time()
-                rows += fn()
+                signal.alarm(limits[name])
+                try:
+                    for row in fn():
+                        emit(row)
+                except OutOfTime:
+                    emit(dict(section=name, what=f"stopped at its {limits[name]} s limit", ok=False))
+                finally:
+                    signal.alarm(0)
                 print(f"  {name}: {time.time() - t1:.0f}s", file=sys.stderr, flush=True)
-    device = "CPU (smoke)" if SMOKE else torch.cuda.get_device_name()
-    print(f"\ngpu_check on {device}, torch {torch.__version__}, {time.time() - t0:.0f}s\n")
-    print("| section | what | numbers | ok |\n|---|---|---|---|")
-    for row in rows:
-        print(fmt(row))
+    print(f"\n{time.time() - t0:.0f}s")
     with open(args.out + ".tmp", "w") as f:
         json.dump(dict(device=device, torch=torch.__version__, smoke=SMOKE, rows=rows), f, indent=1)
     os.replace(args.out + ".tmp", args.out)
