@@ -18,12 +18,14 @@ def test_smoke_runs_every_section(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "| section | what | numbers | ok |" in p.stdout
     rows = json.loads(out.read_text())["rows"]
-    assert {r["section"] for r in rows} == {"loss", "generate", "loop", "nccl"}
+    assert {r["section"] for r in rows} == {"loss", "generate", "profile", "loop", "nccl"}
     assert all(r["ok"] for r in rows)
     kernel_rows = sum(r["section"] == "loss" and "err_over_bound" in str(r) for r in rows)
     if clipped_kl.triton is not None:
         assert kernel_rows == 6  # 3 clips x 2 dtypes
     else:  # skipped, and the table says why
         assert kernel_rows == 0 and "Triton is not installed" in p.stdout
+    compiled = [r for r in rows if r["what"].endswith(", compiled")]
+    assert len(compiled) == 2 and all(r.get("greedy_tokens_equal_eager") or "skipped" in r["note"] for r in compiled)
     loop = next(r for r in rows if r["section"] == "loop")
     assert loop["grpo_tokens"] > 0 and loop["ofsd_pairs"] > 0  # the OFSD round mined pairs and distilled
