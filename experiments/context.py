@@ -10,7 +10,8 @@ segment and each view's probability of the student's choices to search (teacher_
 Prints one row per context and writes it as a JSON line to --out. "Kept" marks a context whose
 teacher is ahead of the student (EM) and still searches (at least half the student's searches a
 question): the declared experiment's arms are the kept contexts. A pairs file written before #48
-holds no group, so it has no `group_queries` row (say so, and mine again for it).
+holds no group, so it has no `group_queries` row (say so, and mine again for it). Resumable: the
+pairs are written once mined, and a context with a row in --out for the same pairs file is skipped.
 
     python experiments/context.py --checkpoint runs/grpo05/checkpoint/model \\
         --pairs docs/data/real_ofsd_p2.jsonl.pairs-seed1.json --max_turn_tokens=200 --top_p=0.95 \\
@@ -85,6 +86,9 @@ def main():
                                generator=torch.Generator(device=dev).manual_seed(args.seed), ofsd_students="any"), {}
 
     mined, _, _ = mined_pairs(args.pairs, mine_them)
+    if args.out and os.path.exists(args.out):  # resumed: the contexts this pairs file already has a row for
+        done = {r["context"] for r in map(json.loads, open(args.out)) if r["pairs_file"] == args.pairs}
+        contexts = [c for c in contexts if c not in done]
     if "group_queries" in contexts and not all(p.group for p in mined):
         print(f"{args.pairs} holds no group (mined before #48): no group_queries row", file=sys.stderr)
         contexts.remove("group_queries")
