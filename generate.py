@@ -36,7 +36,7 @@ class KVCache:
     """Preallocated keys/values for every layer, (L, B, H_kv, max_len + 1, D), and per row the number
     of tokens it holds (`end`, (B,)): row b's tokens are in slots 0 .. end[b]-1, in order, and slot i
     holds the token at rotary position i. A forward reads slots 0 .. span - 1 and writes padding to
-    slot `span`, a scratch slot no row holds (span = max_len, or less through `upto`)."""
+    slot `span`, a scratch slot it does not read (span = max_len, or less through `upto`)."""
 
     def __init__(self, cfg, batch, max_len, device, dtype):
         shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len + 1, cfg.head_dim)
@@ -51,7 +51,7 @@ class KVCache:
 
     def write(self, layer, k, v, where):
         """Write a chunk's keys and values (B, Hkv, T, D) where Qwen2.hidden says: `where` = (rows (B, 1),
-        slots (B, T)); returns slots 0 .. span of the layer, (B, Hkv, span + 1, D) each. The write is an
+        slots (B, T)); returns slots 0 .. span - 1 of the layer, (B, Hkv, span, D) each. The write is an
         in-place index_put_ on the whole cache tensor, which torch.compile keeps in place (on a view of
         it, a compiled step would copy the whole cache back)."""
         rows, slots = where
@@ -59,12 +59,12 @@ class KVCache:
         at = (torch.full_like(rows, layer)[:, :, None], rows[:, :, None], heads[None, :, None], slots[:, None, :])
         self.k.index_put_(at, k)  # (B, Hkv, T) positions of (L, B, Hkv, S, D), each a (D,) vector
         self.v.index_put_(at, v)
-        return self.k[layer, :, :, :self.span + 1], self.v[layer, :, :, :self.span + 1]
+        return self.k[layer, :, :, :self.span], self.v[layer, :, :, :self.span]
 
     def upto(self, span):
         """The same cache (its tensors, not copies) with forwards reading slots 0 .. span - 1 only, so
         they read no more than the rows hold; span must be at least every row's length after the
-        forward. Slot span is then the scratch slot: no row holds it yet."""
+        forward. Slot span is then the scratch slot: no row holds it yet, and the forward does not read it."""
         if span > self.max_len:
             raise ValueError(f"KV cache full: a row would hold {span} tokens > max_len {self.max_len}")
         view = KVCache._of(self.k, self.v, self.end)
@@ -223,8 +223,8 @@ def decode(model, tokenizer, prompts, group_size, turn_end, *, max_len, max_turn
     is called with every trajectory whose turn ended at this step and returns {i: the tokens it reads
     next (the environment's: fed to the cache, and the next turn starts), or None (finished)}.
     A question's G rows enter as soon as G rows are free (its prompt prefilled once, copied to them),
-    so the cache stays full while questions wait; when none waits and half the rows are done, the
-    cache keeps half its rows. Each decoding step is decode_step over every row of the cache, reading
+    so the cache stays full while questions wait; when none waits and half the rows are done, they
+    leave. Each decoding step is decode_step over every row of the cache, reading
     the slots its longest row holds (`compile`: through torch.compile, that many rounded up to SPAN_STEP,
     so that the shapes are few). max_len: the most tokens a row may hold."""
     G, N = group_size, len(prompts) * group_size
@@ -259,8 +259,9 @@ def decode(model, tokenizer, prompts, group_size, turn_end, *, max_len, max_turn
                 held[r], length[r] = waiting * G + j, len(entering[j // G])
             waiting += k
         going = [r for r, i in enumerate(held) if i is not None]
-        if waiting == len(prompts) and len(going) <= len(held) // 2:  # keep half the rows: the going ones first
-            order = going + [r for r, i in enumerate(held) if i is None][:len(held) // 2 - len(going)]
+        if waiting == len(prompts) and len(going) <= len(held) // 2:  # finished rows leave; compiled, the
+            # cache keeps exactly half its rows (finished ones fill it up), so that its shapes stay few
+            order = going + [r for r, i in enumerate(held) if i is None][:(len(held) // 2 - len(going)) * compile]
             cache.keep(order)
             pin()  # the same storage, seen through new tensors
             logits, held, length = logits[order], [held[r] for r in order], [length[r] for r in order]  # (b, V)

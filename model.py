@@ -251,7 +251,7 @@ class Qwen2(nn.Module):
             positions = cache.end[:, None] + torch.arange(T, device=dev)  # (B, T) = the slots
             q_slot = torch.where(valid, positions, cache.span)  # (B, T)
             slots = (torch.arange(B, device=dev)[:, None], q_slot)
-            k_slot = torch.arange(cache.span + 1, device=dev)  # (S,)
+            k_slot = torch.arange(cache.span, device=dev)  # (S,)
             key_valid = k_slot[None, :] < (cache.end + valid.sum(1))[:, None]  # (B, S)
         cfg = self.config
         x = self.model.embed_tokens(input_ids)  # (B, T, d)
