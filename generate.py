@@ -194,12 +194,13 @@ def _nucleus_draw(sp, si, top_p, u):
 SPAN_STEP = 64  # a compiled decoding step reads the cache's first k * SPAN_STEP slots: a few shapes, each compiled once
 
 
-def decode_step(model, cache, tok, writing):
-    """One token for each cache row that is writing, (B,) each: the next-token logits (B, V) of every
-    row. Static shapes, no host sync: a row not writing writes its token to the scratch slot and keeps
-    its length (its logits are unused). This is what `compile` wraps."""
-    h = model.hidden(tok[:, None], cache, writing[:, None])  # (B, 1, d)
-    return F.linear(h[:, 0], model.lm_head_weight).float()  # (B, V)
+def decode_step(model, cache, tok, writing, every_row=True):
+    """One token for each cache row that is writing, (B,) each: the next-token logits of every row,
+    (B, V). Static shapes, no host sync: a row not writing writes its token to the scratch slot and
+    keeps its length (its logits are unused). This is what `compile` wraps. every_row=False (eager):
+    the last layer's MLP and the LM head run for the writing rows only, whose logits it returns, (n, V)."""
+    h = model.hidden(tok[:, None], cache, writing[:, None], select=None if every_row else writing[:, None])
+    return F.linear(h.reshape(-1, h.shape[-1]), model.lm_head_weight).float()  # (B or n, V)
 
 
 @functools.cache
@@ -237,7 +238,7 @@ def decode(model, tokenizer, prompts, group_size, turn_end, *, max_len, max_turn
         for t in (cache.k, cache.v, cache.end) if compile and dev.type == "cuda" else ():
             torch._dynamo.mark_static_address(t)
     pin()
-    step, span_step = (compiled(dev.type), SPAN_STEP) if compile else (decode_step, 1)  # eager: no slot it need not read
+    step, span_step = (compiled(dev.type), SPAN_STEP) if compile else (None, 1)  # eager: no slot it need not read
     held = [None] * len(cache.end)  # the trajectory in each cache row; None when free or finished
     length = [0] * len(held)  # the tokens each cache row holds (cache.end, known here without a sync)
     logits = torch.zeros(len(held), model.config.vocab_size, device=dev)  # (rows, V) next-token logits
@@ -301,7 +302,10 @@ def decode(model, tokenizer, prompts, group_size, turn_end, *, max_len, max_turn
             toks = torch.zeros(len(held), dtype=torch.long, device=dev)
             toks[going] = tok  # (rows,)
             w = torch.tensor(writing, device=dev)  # (rows,)
-            logits = torch.where(w[:, None], step(model, cache.upto(span), toks, w), logits)  # (rows, V)
+            if compile:
+                logits = torch.where(w[:, None], step(model, cache.upto(span), toks, w), logits)  # (rows, V)
+            else:
+                logits[w] = decode_step(model, cache.upto(span), toks, w, every_row=False)  # (writing, V)
         if chunks:  # rows whose turn ended read what follows, in a cache of their own
             at = sorted(chunks)
             feed = [ended[r][0] + chunks[r] for r in at]  # (the turn's last token when the cache lacks it)
