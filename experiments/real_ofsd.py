@@ -234,7 +234,8 @@ def main():
             return mined, dict(before, context=context)
 
         mined, before, seconds = mined_pairs(args.out and f"{args.out}.pairs-seed{seed}.json", mine_them)
-        if mined and before.get("context", "full") != context:  # pairs mined with another teacher view's diagnostics
+        if mined and (not before or before.get("context", "full") != context):  # pairs mined without this
+            # teacher view's diagnostics (another view's, or none: experiments/context.py's pairs files)
             model, tok = policy(args.checkpoint, dev, dt)
             before = dict(teacher_gap.before_round(model, tok, index, mined, rollout_args, args.kl_chunk, context),
                           context=context)
