@@ -28,8 +28,8 @@ a (policy, mining seed) pair: `--policy` names this checkpoint in the tables and
 JSON line per arm and seed to --out and a chart (test EM per arm, a dot per draw). Run again with
 the same --out once every row is there, it prints the tables and the chart without computing.
 
-Resumable: each seed's mined pairs and their diagnostics go to OUT.pairs-seed<s>.json as soon as
-they exist, and a run given the same --out skips the (seed, arm) rows already there and reads the
+Resumable: each seed's mined pairs and their diagnostics go to OUT.pairs-seed<s>.json (or the file
+--pairs names, where another run's pairs are read: experiments/context.py's) as soon as they exist, and a run given the same --out skips the (seed, arm) rows already there and reads the
 pairs back instead of mining again (mining a seed takes about 40 minutes on 2 cores; a LoRA round
 of the real 0.5B about 40). The LoRA rounds recompute each decoder layer in backward
 (`--activation_checkpointing`, on by default): without it one step of 4 pairs of 1,000 / 2,000
@@ -190,6 +190,7 @@ def main():
     ap.add_argument("--activation_checkpointing", default="true", choices=("true", "false"),
                     help="recompute each decoder layer in backward in the LoRA rounds (memory; the same math)")
     ap.add_argument("--out", default="", help="JSON lines, one per arm and seed")
+    ap.add_argument("--pairs", default="", help="each seed's pairs file, {seed} in its name (default: OUT.pairs-seed{seed}.json)")
     ap.add_argument("--chart", default="", help="an SVG chart of test EM per arm")
     ap.add_argument("--policy", default="", help="the checkpoint's name in the tables, kept in each row it writes")
     ap.add_argument("--earlier", nargs="*", default=[],
@@ -233,7 +234,8 @@ def main():
             before = teacher_gap.before_round(model, tok, index, mined, rollout_args, args.kl_chunk, context)
             return mined, dict(before, context=context)
 
-        mined, before, seconds = mined_pairs(args.out and f"{args.out}.pairs-seed{seed}.json", mine_them)
+        pairs_file = args.pairs.format(seed=seed) if args.pairs else args.out and f"{args.out}.pairs-seed{seed}.json"
+        mined, before, seconds = mined_pairs(pairs_file, mine_them)
         if mined and (not before or before.get("context", "full") != context):  # pairs mined without this
             # teacher view's diagnostics (another view's, or none: experiments/context.py's pairs files)
             model, tok = policy(args.checkpoint, dev, dt)
