@@ -128,6 +128,15 @@ def check_evolve(cfg):
     refuse(bad)
 
 
+def check_compile(compile, device, world_size=1):
+    """--compile=true is for one process on CUDA: on a CPU the compiled step measured no faster and a
+    run's changing cache shapes make it compile again and again (docs/benchmarks.md)."""
+    if compile and (str(device).split(":")[0] != "cuda" or world_size > 1):
+        raise SystemExit(f"--compile=true is for one process on a CUDA device (CUDA graphs); this run is on "
+                         f"{device} with {world_size} rank(s): on a CPU the compiled decoding step is no faster "
+                         "(docs/benchmarks.md), and a sharded model's gathered weights are not what it traced")
+
+
 def check_ranks(cfg, world_size, ppo_updates):
     """Every rank needs questions, and the same number of training passes."""
     q, n = cfg["questions_per_step"], cfg["ofsd_questions"]
@@ -136,9 +145,6 @@ def check_ranks(cfg, world_size, ppo_updates):
                          f"with at least one question per rank for each of its {ppo_updates} updates, and "
                          f"--ofsd_questions={n} at least the number of ranks: every rank needs questions, "
                          "and the same number of training passes")
-    if cfg["compile"] and world_size > 1:
-        raise SystemExit("--compile=true is for one process (a sharded model's gathered weights are not "
-                         f"what torch.compile traced); this run has {world_size} ranks")
 
 
 def check_context(cfg, model_config, tokenizer, longest_question):

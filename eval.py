@@ -37,7 +37,7 @@ max_turns = SEARCH_R1_SETTINGS["max_turns"]              # searching turns befor
 max_turn_tokens = SEARCH_R1_SETTINGS["max_turn_tokens"]  # per-turn response cap
 max_obs_tokens = SEARCH_R1_SETTINGS["max_obs_tokens"]    # observation cap
 top_k = SEARCH_R1_SETTINGS["top_k"]                      # documents per search
-compile = False                # decoding steps through torch.compile (CUDA: CUDA graphs; generate.compiled)
+compile = False                # decoding steps through torch.compile as CUDA graphs (one process on CUDA; generate.compiled)
 device = "auto"                # auto (CUDA when there is one), cpu, cuda, cuda:N
 dtype = "auto"                 # auto: bfloat16 on CUDA, and for a real checkpoint on a CPU with native bfloat16
 # ---------------------------------------------------------------------------------------------
@@ -200,6 +200,7 @@ def main():
     data = {path: read_questions(path, cfg["limit"]) for path in files}  # every file, first
     width = Qwen2Config.from_json(os.path.join(lora.base_dir(cfg["model_dir"]), "config.json")).hidden_size
     device, dtype = device_and_dtype(cfg["device"], cfg["dtype"], width)
+    configurator.check_compile(cfg["compile"], device)
     print(f"{cfg['model_dir']}: {device}, {str(dtype).removeprefix('torch.')}", file=sys.stderr)
     model, tok = lora.load_policy(cfg["model_dir"], device, dtype)  # a checkpoint, or a base and its adapters
     index = load_index(cfg["index_dir"])

@@ -90,7 +90,7 @@ search_workers = 1             # BM25 worker processes per rank for a turn's sea
                                #                                              (8+ at wiki-18 scale; docs/)
 rollout_rows = 0               # trajectories decoded at once per rank (bounds the KV cache); 0 = all
                                #                                              (64 at 3B/7B; docs/real-scale.md)
-compile = False                # decoding steps through torch.compile (CUDA: CUDA graphs; generate.compiled)
+compile = False                # decoding steps through torch.compile as CUDA graphs (one process on CUDA; generate.compiled)
 ofsd_rounds = True             # False: the GRPO-only ablation (same GRPO steps, no OFSD rounds)
 ofsd_questions = 64            # questions rolled out to mine pairs per OFSD round
 ofsd_students = "any"          # "any": the paper's rule (an incorrect sibling, else a correct one);
@@ -146,6 +146,7 @@ def main():
         checkpoint.check_run_dir(out_dir, overwrite)
     ppo_updates = questions_per_step // ppo_mini_batch
     configurator.check_ranks(config, world_size, ppo_updates)
+    configurator.check_compile(compile, dev, world_size)
     checkpoint.barrier()  # every rank has checked before any rank writes
 
     # -----------------------------------------------------------------------------------------

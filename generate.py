@@ -231,6 +231,8 @@ def decode(model, tokenizer, prompts, group_size, turn_end, *, max_len, max_turn
     G, N = group_size, len(prompts) * group_size
     stop_ids = set(tokenizer.eos_ids if stop_ids is None else stop_ids)
     size = max(G, rows // G * G) if rows else N
+    if compile:  # a few cache lengths, so that the compiled step sees few strides
+        max_len = -(-max_len // (4 * SPAN_STEP)) * 4 * SPAN_STEP
     cache = new_cache(model, min(size, N), max_len)
     dev = cache.end.device
 

@@ -112,6 +112,14 @@ def test_bad_view_settings_are_refused_before_anything_is_written(tmp_path):
     assert "--ofsd_context='answer'" in p.stderr and "--ofsd_positions='all'" in p.stderr
 
 
+def test_compile_off_cuda_is_refused_before_anything_is_written(tmp_path):
+    """--compile=true on a CPU is refused, naming the setting and the device, with no run folder."""
+    out = tmp_path / "run"
+    p = evolve([f"--out_dir={out}", "--compile=true", "--device=cpu"])
+    assert p.returncode != 0 and not out.exists()
+    assert "--compile=true" in p.stderr and "cpu" in p.stderr
+
+
 def test_help_lists_every_setting_with_its_default_and_comment():
     """--help exits 0 and prints each setting once, as --key=default, with the comment beside it in evolve.py."""
     sys.path.insert(0, ROOT)
