@@ -55,7 +55,7 @@ from test_clipped_kl import grad_bound, row_kl, tau_between  # noqa: E402  (the 
 
 DEV = fsdp.device_and_dtype("cpu" if SMOKE else "cuda", "float32", 0)[0]  # "cuda:0": the index torch needs
 NO_TRITON = "skipped: Triton is not installed (requirements.txt installs it on Linux x86-64 only)"
-NO_COMPILER = None if shutil.which("cc") or shutil.which("gcc") else "skipped: torch.compile needs a C compiler"
+NO_COMPILER = None if shutil.which("c++") or shutil.which("g++") else "skipped: torch.compile needs a C++ compiler"
 GiB = 2 ** 30
 
 
