@@ -31,6 +31,7 @@ import json
 import os
 import shutil
 import signal
+import sysconfig
 import subprocess
 import sys
 import tempfile
@@ -55,7 +56,8 @@ from test_clipped_kl import grad_bound, row_kl, tau_between  # noqa: E402  (the 
 
 DEV = fsdp.device_and_dtype("cpu" if SMOKE else "cuda", "float32", 0)[0]  # "cuda:0": the index torch needs
 NO_TRITON = "skipped: Triton is not installed (requirements.txt installs it on Linux x86-64 only)"
-NO_COMPILER = None if shutil.which("c++") or shutil.which("g++") else "skipped: torch.compile needs a C++ compiler"
+NO_COMPILER = None if (shutil.which("c++") or shutil.which("g++")) and os.path.exists(
+    os.path.join(sysconfig.get_paths()["include"], "Python.h")) else "skipped: torch.compile needs a C++ compiler and Python.h"
 GiB = 2 ** 30
 
 

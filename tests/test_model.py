@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import sysconfig
 
 import pytest
 import torch
@@ -264,8 +265,9 @@ def test_draw_of_some_rows_is_their_draw_in_the_whole_batch(temperature, top_p):
     assert torch.equal(part, tok[rows]) and torch.equal(part_logp, logp[rows])
 
 
-@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
-                    reason="torch.compile on a CPU needs a C++ compiler")
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None or
+                    not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")),
+                    reason="torch.compile on a CPU needs a C++ compiler and Python's headers")
 def test_compiled_decoding_step_gives_the_eager_tokens(tiny_checkpoint, tokenizer):
     """decode with compile=True (torch.compile of decode_step, rows of several lengths, a chunk read
     between turns, rows leaving) samples the tokens eager decoding samples, log-probs within 1e-4."""
