@@ -24,7 +24,10 @@ Left out: beam search, speculative decoding, repetition penalties, paged attenti
 """
 
 import functools
+import os
+import shutil
 import sys
+import sysconfig
 
 import torch
 import torch.nn.functional as F
@@ -206,9 +209,18 @@ def decode_step(model, cache, tok, writing, every_row=True):
 @functools.cache
 def compiled(device_type):
     """decode_step through torch.compile, made once per process and device type: on CUDA with CUDA
-    graphs (one recorded per shape), on a CPU as generated C++. The row count and the span are
-    marked dynamic after the first change, so the code is compiled twice, not once per shape."""
+    graphs (one recorded per shape), on a CPU as generated C++. A shape that changes for the first
+    time compiles it again (dynamic after that): a few compiles a run (TORCH_LOGS=recompiles)."""
     return torch.compile(decode_step, mode="reduce-overhead" if device_type == "cuda" else None, fullgraph=True)
+
+
+def compile_missing():
+    """Why torch.compile cannot build a CPU step here (it needs a C++ compiler and Python.h), or None."""
+    if not (shutil.which("c++") or shutil.which("g++")):
+        return "torch.compile needs a C++ compiler"
+    if not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
+        return "torch.compile needs Python's headers (Python.h)"
+    return None
 
 
 @torch.no_grad()

@@ -81,10 +81,13 @@ def child(args):
     def attention_flops(q, k, v, **kw):
         return 4.0 * q.numel() * k.shape[-2]  # (B, H, T, D) queries against S keys, scores and values
     extra = dict(compile=True) if args.compile else {}  # compiled: no parts (the wrappers would not be traced)
+
+    def sampled(seed):
+        return R.rollout(model, tok, index, questions, args.group, max_turns=args.turns, max_turn_tokens=args.cap,
+                         max_obs_tokens=256, top_k=3, temperature=1.0, top_p=0.95, rollout_rows=args.rollout_rows,
+                         generator=torch.Generator().manual_seed(seed), **extra)
     if args.compile:  # the compiling rollout first, untimed (its shapes are the timed one's)
-        R.rollout(model, tok, index, questions, args.group, max_turns=args.turns, max_turn_tokens=args.cap,
-                  max_obs_tokens=256, top_k=3, temperature=1.0, top_p=0.95, rollout_rows=args.rollout_rows,
-                  generator=torch.Generator().manual_seed(args.seed + 1), compile=True)
+        sampled(args.seed + 1)
     else:
         F.linear = timed(lambda x, w, b=None: "LM head" if w.shape[0] == vocab else "linears", F.linear, linear_flops)
         F.scaled_dot_product_attention = timed("attention", F.scaled_dot_product_attention, attention_flops)
@@ -105,9 +108,7 @@ def child(args):
         grpo.grpo_step(model, kl_model, optimizer, trajs, adv, micro_batch=args.micro_batch, clip_ratio=0.2,
                        kl_coef=0.001, entropy_coef=0.001, temperature=1.0, max_grad_norm=1.0, pad_id=tok.pad_id)
     else:
-        trajs = R.rollout(model, tok, index, questions, args.group, max_turns=args.turns, max_turn_tokens=args.cap,
-                          max_obs_tokens=256, top_k=3, temperature=1.0, top_p=0.95, rollout_rows=args.rollout_rows,
-                          generator=torch.Generator().manual_seed(args.seed), **extra)
+        trajs = sampled(args.seed)
     wall = time.perf_counter() - t0
     print(json.dumps(dict(wall=wall, tokens=sum(sum(t.loss_mask) for t in trajs), spent=spent, flops=flops,
                           formatted=sum(t.stop == "answer" for t in trajs),

@@ -29,9 +29,7 @@ script cannot rot between GPU visits. Without Triton the kernel's rows are skipp
 import argparse
 import json
 import os
-import shutil
 import signal
-import sysconfig
 import subprocess
 import sys
 import tempfile
@@ -56,8 +54,7 @@ from test_clipped_kl import grad_bound, row_kl, tau_between  # noqa: E402  (the 
 
 DEV = fsdp.device_and_dtype("cpu" if SMOKE else "cuda", "float32", 0)[0]  # "cuda:0": the index torch needs
 NO_TRITON = "skipped: Triton is not installed (requirements.txt installs it on Linux x86-64 only)"
-NO_COMPILER = None if (shutil.which("c++") or shutil.which("g++")) and os.path.exists(
-    os.path.join(sysconfig.get_paths()["include"], "Python.h")) else "skipped: torch.compile needs a C++ compiler and Python.h"
+NO_COMPILER = generate.compile_missing() and "skipped: " + generate.compile_missing()
 GiB = 2 ** 30
 
 

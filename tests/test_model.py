@@ -2,14 +2,12 @@
 
 import json
 import os
-import shutil
-import sysconfig
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from generate import decode, draw, extend, generate, new_cache
+from generate import compile_missing, decode, draw, extend, generate, new_cache
 
 from model import load, save
 from conftest import random_model, tiny_config
@@ -265,9 +263,7 @@ def test_draw_of_some_rows_is_their_draw_in_the_whole_batch(temperature, top_p):
     assert torch.equal(part, tok[rows]) and torch.equal(part_logp, logp[rows])
 
 
-@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None or
-                    not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")),
-                    reason="torch.compile on a CPU needs a C++ compiler and Python's headers")
+@pytest.mark.skipif(compile_missing() is not None, reason=str(compile_missing()))
 def test_compiled_decoding_step_gives_the_eager_tokens(tiny_checkpoint, tokenizer):
     """decode with compile=True (torch.compile of decode_step, rows of several lengths, a chunk read
     between turns, rows leaving) samples the tokens eager decoding samples, log-probs within 1e-4."""
