@@ -252,7 +252,10 @@ def decode(model, tokenizer, prompts, group_size, turn_end, *, max_len, max_turn
         for t in (cache.k, cache.v, cache.end) if compile and dev.type == "cuda" else ():
             torch._dynamo.mark_static_address(t)
     pin()
-    step, span_step = (compiled(dev.type), SPAN_STEP) if compile else (None, 1)  # eager: no slot it need not read
+    step = compiled(dev.type) if compile else None
+    # compiled, a few spans (few shapes); eager on CUDA too, since cuDNN's attention plans each new key
+    # length anew (2.5 ms of host time a call, bench/gpu_check.py); eager on a CPU reads no slot it need not
+    span_step = SPAN_STEP if compile or dev.type == "cuda" else 1
     held = [None] * len(cache.end)  # the trajectory in each cache row; None when free or finished
     length = [0] * len(held)  # the tokens each cache row holds (cache.end, known here without a sync)
     logits = torch.zeros(len(held), model.config.vocab_size, device=dev)  # (rows, V) next-token logits
