@@ -7,6 +7,7 @@ speed and memory benches are in bench/. Each experiment is a script:
     python experiments/ablation.py        # the toy world: GRPO alone against GRPO + OFSD variants
     python experiments/real_ofsd.py ...   # one OFSD round of a real checkpoint, each arm on the same pairs
     python experiments/context.py ...     # what each teacher context gives, before any training
+    python experiments/verdict.py ROWS    # the declared paired rule and cause test over real_ofsd's rows
     python experiments/teacher.py ...     # a checkpoint's headroom: teacher view against student view
     python experiments/backbone.py        # the toy backbone's targets
 """
