@@ -70,13 +70,10 @@ def _head(h, weight, targets, temperature):
 
 
 def token_logprobs(model, ids, valid, mask, temperature, entropy=False, chunk=HEAD_CHUNK):
-    """log softmax(logits / temperature) of each token where mask is 1: (n_masked,); with
-    entropy=True also the entropy -sum_v p log p of each of those distributions: (n_masked,).
-
-    Logits are computed only at the masked positions, `chunk` rows at a time; with gradients
-    each chunk is recomputed in backward (activation checkpointing), so autograd keeps no (n, V)
-    tensor: at a real vocabulary (151,936) and 3,000 loss tokens that would be 1.8 GB per copy.
-    """
+    """log softmax(logits / temperature) of each token where mask is 1, (n_masked,), and with
+    entropy=True each of those distributions' entropy, (n_masked,). Logits only at the masked
+    positions, `chunk` rows at a time, recomputed in backward: autograd keeps no (n, V) tensor
+    (1.8 GB a copy at V = 151,936 and 3,000 loss tokens)."""
     pred = mask[:, 1:]  # token t is predicted from position t - 1
     h_sel = model.hidden(ids, valid=valid, select=F.pad(pred, (0, 1)))  # (n, d)
     targets = ids[:, 1:][pred]  # (n,)
@@ -144,14 +141,10 @@ def grpo_step(model, kl_model, optimizer, trajs, advantages, *, micro_batch, cli
 def grpo_round(policy, kl_model, optimizer, tokenizer, index, next_questions, *, steps, first_step, lr,
                warmup_steps, group_size, ppo_updates, micro_batch, clip_ratio, kl_coef, entropy_coef,
                max_grad_norm, rollout_args, generator, log):
-    """`steps` GRPO steps of `policy`, each on a fresh rollout batch: sample questions, roll out G
-    trajectories each, reward by EM, group advantages, then one pass over the batch in
-    `ppo_updates` shuffled mini-batches of whole groups, one PPO-clip + KL update each (from the
-    second on, the ratio to the rollout policy departs from 1 and the clip acts). `kl_model` is
-    the KL term's model; `next_questions()` gives this rank's questions for one step; the learning
-    rate warms up linearly over the run's first `warmup_steps` steps (`first_step` = steps before
-    this round); `generator` draws the samples and the mini-batch order. `log(metrics)` is called after every step; returns the list of step metrics,
-    each with its updates' own metrics under "updates"."""
+    """`steps` GRPO steps of `policy` as the module docstring says; `next_questions()` gives this rank's
+    questions for a step, the learning rate warms up over the run's first `warmup_steps` steps
+    (`first_step`: steps before this round), `generator` draws the samples and the mini-batch order.
+    `log(metrics)` after every step; returns the steps' metrics (each update's under "updates")."""
     history, device = [], policy.model.embed_tokens.weight.device
     policy.train()
     for s in range(steps):

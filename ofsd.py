@@ -267,13 +267,9 @@ def mine_round(policy, tokenizer, index, questions, *, group_size, rollout_args,
 def distill(model, tokenizer, pairs, *, ofsd_loss, kl_weight, lora_rank, lora_alpha, lora_lr, lora_epochs,
             ofsd_micro_batch, tau_clip, ofsd_clip, ofsd_context, ofsd_positions, max_grad_norm, kl_chunk, seed, log=None,
             adapter_dir=None):
-    """Train a LoRA adapter on the pairs, then merge it (saved to `adapter_dir` first, when given).
-    ofsd_loss "kl": the teacher view (what ofsd_context shows) distilled into the student view at the
-    positions ofsd_positions names (`pair_loss`, the paper's); "nll": tau_ref's own policy tokens in
-    the student view (`tau_ref_nll`, the rft control: learning from the successful sibling without
-    a teacher); "nll_kl": the NLL plus kl_weight times the KL. `log(epoch, step, loss)` is called
-    after every optimizer step. Reports, over the pairs, the KL's statistics (`pair_stats`) and
-    tau_ref's NLL before and after, whatever the loss."""
+    """Train a LoRA adapter on the pairs minimising `ofsd_loss` (steps 2-4 of the module docstring),
+    then merge it (saved to `adapter_dir` first, when given). `log(epoch, step, loss)` after every
+    step. Reports the KL's statistics (`pair_stats`) and tau_ref's NLL before and after, whatever the loss."""
     seqs = [pair_sequences(tokenizer, p.stu, privileged(tokenizer, p, ofsd_context), ofsd_positions) for p in pairs]
     has_pos = [bool(s.student_pos) for s in seqs]  # a student with no loss position has nothing to learn from KL
     items = list(zip([s for s, h in zip(seqs, has_pos) if h],
