@@ -80,10 +80,10 @@ def cause(arms):
     """The declared cause test's line, or None when the rows for it are missing."""
     base, full = arms.get("none-round", {}), arms.get("ofsd-none", {})
     searches = lambda arm, d: arms[arm][d]["test"]["all"]["searches"] / base[d]["test"]["all"]["searches"]  # noqa: E731
-    keeping = [a for a in arms if any(f"[{v}/" in a for v in NO_ANSWER_VIEWS) and set(base) <= set(arms[a])
-               and all(searches(a, d) >= 0.8 for d in base)]
-    if not base or not set(base) <= set(full):
+    without_answer = [a for a in arms if any(f"[{v}/" in a for v in NO_ANSWER_VIEWS) and set(base) <= set(arms[a])]
+    if not base or not set(base) <= set(full) or not without_answer:
         return None
+    keeping = [a for a in without_answer if all(searches(a, d) >= 0.8 for d in base)]
     stops = all(searches("ofsd-none", d) < 0.5 for d in base)
     holds = bool(keeping) and stops
     return (f"  the cause: ofsd-none with full {'stops' if stops else 'does not stop'} the searches (below 0.5 of "
@@ -107,7 +107,8 @@ def main(paths):
             if a != b and b in arms and not (a == "none-round" and b == "rft"):
                 print(compare(arms, a, b)[0])
     line = cause(arms)
-    print(line or "  the cause: not yet (it needs none-round and ofsd-none with full on the same draws)")
+    print(line or "  the cause: not yet (it needs none-round, ofsd-none with full and an arm whose context holds no "
+                  "answer on the same draws)")
 
 
 if __name__ == "__main__":
