@@ -33,14 +33,13 @@ def sign_test(wins_a, wins_b):
     return min(1.0, 2 * sum(math.comb(n, k) for k in range(min(wins_a, wins_b) + 1)) / 2 ** n) if n else 1.0
 
 
-def beats(a, b):
-    """(A beats B on this draw, A right and B wrong, B right and A wrong, p) for per-question EM lists."""
+def paired(a, b):
+    """(questions only A gets right, only B gets right, the sign test's p) for per-question EM lists of
+    one test set: A beats B when it has more of the first (= more right) and p < 0.05."""
     if len(a) != len(b):
         raise ValueError(f"per-question EM of {len(a)} and {len(b)} questions: not the same test set")
-    wa = sum(x > y for x, y in zip(a, b))
-    wb = sum(y > x for x, y in zip(a, b))
-    p = sign_test(wa, wb)
-    return sum(a) > sum(b) and p < 0.05, wa, wb, p
+    wa, wb = sum(x > y for x, y in zip(a, b)), sum(y > x for x, y in zip(a, b))
+    return wa, wb, sign_test(wa, wb)
 
 
 def read_rows(paths):
@@ -62,18 +61,17 @@ def read_rows(paths):
 
 
 def compare(arms, a, b):
-    """The rule's line for arm a against arm b, and whether a gains."""
+    """The rule's line for arm a against arm b on the draws both have."""
     common = [d for d in arms[a] if d in arms[b]]
     parts, won, lost = [], 0, 0
     for d in common:
         ea, eb = arms[a][d]["test_em_by_question"], arms[b][d]["test_em_by_question"]
-        a_wins, wa, wb, p = beats(ea, eb)
-        b_wins = beats(eb, ea)[0]
-        won, lost = won + a_wins, lost + b_wins
+        wa, wb, p = paired(ea, eb)
+        won, lost = won + (wa > wb and p < 0.05), lost + (wb > wa and p < 0.05)
         parts.append(f"{d}: {sum(ea):g} vs {sum(eb):g} right, {wa}:{wb} where one is, p {p:.3f}"
-                     + (" BEATS" if a_wins else " BEATEN" if b_wins else ""))
+                     + (" BEATS" if wa > wb and p < 0.05 else " BEATEN" if wb > wa and p < 0.05 else ""))
     gain = won >= 2 and lost == 0
-    return f"  {a} over {b} ({len(common)} draws): " + "; ".join(parts) + f" -> {'GAIN' if gain else 'no gain'}", gain
+    return f"  {a} over {b} ({len(common)} draws): " + "; ".join(parts) + f" -> {'GAIN' if gain else 'no gain'}"
 
 
 def cause(arms):
@@ -105,7 +103,7 @@ def main(paths):
     for a in arms:
         for b in BASES:
             if a != b and b in arms and not (a == "none-round" and b == "rft"):
-                print(compare(arms, a, b)[0])
+                print(compare(arms, a, b))
     line = cause(arms)
     print(line or "  the cause: not yet (it needs none-round, ofsd-none with full and an arm whose context holds no "
                   "answer on the same draws)")
