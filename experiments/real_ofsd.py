@@ -159,7 +159,8 @@ def report(rows, arms, chart=""):
                  for name, before in (("mined_em", "student_em"), ("teacher_em", "teacher_em"))]
         print(f"| {arm} | {cell(ems[arm])} | " + " | ".join(cell([r["test"][t]["em"] for r in rs]) for t in types)
               + f" | {cell([r['test']['all']['searches'] for r in rs])} | {after[0]} | {after[1]} |")
-    print("\nthe rule, on test EM:")
+    print("\nthe margin rule of the earlier rounds (docs/ablation.md), on test EM; the paired rule, declared for\n"
+          "the P-lora arms, is experiments/verdict.py over the same rows:")
     for arm in arms:
         for other in ("rft", "none-round"):
             if arm not in ("rft", "none-round") and other in ems:
