@@ -36,7 +36,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 def run(cmd):
     p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.returncode == 0, f"{cmd[-4:]} exited {p.returncode}: {p.stderr[-3000:]}"  # -9: killed (memory)
     return p
 
 
