@@ -67,9 +67,10 @@ def compare(arms, a, b):
     for d in common:
         ea, eb = arms[a][d]["test_em_by_question"], arms[b][d]["test_em_by_question"]
         wa, wb, p = paired(ea, eb)
-        won, lost = won + (wa > wb and p < 0.05), lost + (wb > wa and p < 0.05)
+        a_beats, b_beats = wa > wb and p < 0.05, wb > wa and p < 0.05
+        won, lost = won + a_beats, lost + b_beats
         parts.append(f"{d}: {sum(ea):g} vs {sum(eb):g} right, {wa}:{wb} where one is, p {p:.3f}"
-                     + (" BEATS" if wa > wb and p < 0.05 else " BEATEN" if wb > wa and p < 0.05 else ""))
+                     + (" BEATS" if a_beats else " BEATEN" if b_beats else ""))
     gain = won >= 2 and lost == 0
     return f"  {a} over {b} ({len(common)} draws): " + "; ".join(parts) + f" -> {'GAIN' if gain else 'no gain'}"
 
