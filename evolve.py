@@ -288,9 +288,7 @@ def main():
         table = results_table(state["results"])
         print("\n" + table)
         checkpoint.write_atomic(os.path.join(out_dir, "results.md"), table + "\n")
-    if dist.is_initialized():
-        dist.barrier()  # no rank tears its group down while another still talks to it (gloo aborts)
-        dist.destroy_process_group()
+    fsdp.teardown()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -195,6 +195,12 @@ def _nucleus_draw(sp, si, top_p, u):
 
 
 SPAN_STEP = 64  # a compiled decoding step reads the cache's first k * SPAN_STEP slots: a few shapes, each compiled once
+CACHE_STEP = 4 * SPAN_STEP  # a compiled decode's cache length is a multiple of this: few strides
+
+
+def round_up(n, step):
+    """n rounded up to a multiple of step."""
+    return -(-n // step) * step
 
 
 def decode_step(model, cache, tok, writing, every_row=True):
@@ -244,7 +250,7 @@ def decode(model, tokenizer, prompts, group_size, turn_end, *, max_len, max_turn
     stop_ids = set(tokenizer.eos_ids if stop_ids is None else stop_ids)
     size = max(G, rows // G * G) if rows else N
     if compile:  # a few cache lengths, so that the compiled step sees few strides
-        max_len = -(-max_len // (4 * SPAN_STEP)) * 4 * SPAN_STEP
+        max_len = round_up(max_len, CACHE_STEP)
     cache = new_cache(model, min(size, N), max_len)
     dev = cache.end.device
 
@@ -315,7 +321,7 @@ def decode(model, tokenizer, prompts, group_size, turn_end, *, max_len, max_turn
                     chunks[r] = nxt[i]
         if any(writing):  # a decoding step of every row, those not writing masked
             need = max(length)  # the longest row after this step (more than max_len: upto refuses it)
-            span = max(need, min(-(-need // span_step) * span_step, max_len))
+            span = max(need, min(round_up(need, span_step), max_len))
             toks = torch.zeros(len(held), dtype=torch.long, device=dev)
             toks[going] = tok  # (rows,)
             w = torch.tensor(writing, device=dev)  # (rows,)

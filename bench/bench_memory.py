@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from fsdp import shard, state_bytes  # noqa: E402
+from fsdp import shard, state_bytes, teardown  # noqa: E402
 import grpo  # noqa: E402
 from model import Qwen2, Qwen2Config, load  # noqa: E402
 from rollout import Trajectory, max_response_tokens  # noqa: E402
@@ -61,9 +61,7 @@ def worker(model_dir, out):
     if not dist.is_initialized() or dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(held, f)
-    if dist.is_initialized():
-        dist.barrier()  # no rank tears its group down while another still talks to it (gloo aborts)
-        dist.destroy_process_group()
+    teardown()
 
 
 def measured_state(model_dir):

@@ -223,8 +223,7 @@ def compiled_vs_eager(ours, prompts, steps=8):
     caches, each step fed the eager logits' greedy tokens. (max |logit difference|, max |logit|, share
     of rows and steps whose argmax agrees): greedy sampling of random bfloat16 weights, whose logits
     nearly tie, parts at the first rounding difference, so equal tokens are no test there."""
-    room = 4 * generate.SPAN_STEP  # a compiled decode's cache length is a multiple of this (generate.decode)
-    n, max_len = len(prompts), -(-(len(prompts[0]) + steps + 1) // room) * room
+    n, max_len = len(prompts), generate.round_up(len(prompts[0]) + steps + 1, generate.CACHE_STEP)  # as decode's
     caches = [generate.new_cache(ours, n, max_len) for _ in range(2)]
     for t in (caches[1].k, caches[1].v, caches[1].end) if DEV != "cpu" else ():
         torch._dynamo.mark_static_address(t)
@@ -234,7 +233,7 @@ def compiled_vs_eager(ours, prompts, steps=8):
         err = scale = agree = 0.0
         for i in range(steps):
             tok = eager.argmax(-1)  # (n,)
-            span = min(-(-(len(prompts[0]) + i + 1) // generate.SPAN_STEP) * generate.SPAN_STEP, max_len)
+            span = min(generate.round_up(len(prompts[0]) + i + 1, generate.SPAN_STEP), max_len)
             eager = generate.decode_step(ours, caches[0].upto(span), tok, w)  # (n, V)
             comp = generate.compiled(torch.device(DEV).type)(ours, caches[1].upto(span), tok, w).clone()
             err = max(err, (comp - eager).abs().max().item())

@@ -111,9 +111,7 @@ def main():
     if rank == 0:
         torch.save(dict(steps=steps, weights=weights, grads=grads, plain=plain, ofsd=rounds, state_bytes=held,
                         after_grpo=after_grpo, after_ofsd=after_ofsd), out)
-    if dist.is_initialized():
-        dist.barrier()  # no rank tears its group down while another still talks to it (gloo aborts)
-        dist.destroy_process_group()
+    fsdp.teardown()
 
 
 if __name__ == "__main__":
