@@ -19,6 +19,7 @@ Checkpoints: `full_state_dict` gathers the model on rank 0 (written in Hugging F
 optimizer is saved per rank with torch.distributed.checkpoint (`save_optimizer` / `load_optimizer`).
 `state_bytes` reports what each rank holds. `trim_host_memory` hands the memory glibc keeps freed
 back to the OS (evolve.py calls it after each checkpoint, grpo_round after each rollout).
+`teardown` leaves the process group, a distributed process's last call.
 
 Left out: CPU offload of parameters or optimizer state, tensor or sequence parallelism, hybrid
 sharding across nodes (a 2-D device mesh), float8.
@@ -114,7 +115,8 @@ def teardown():
     the interpreter has begun to exit is ended mid-free and the process aborts ("terminate called
     without an active exception", exit -6). With FSDP2 sharding and 2 gloo ranks (torch 2.14, a
     2-core AMD EPYC) 8 of 60 runs of a small script aborted so without the pause, 0 of 60 with
-    50 ms of it; the destroyed group's threads are not joined, since FSDP's device mesh keeps it."""
+    50 ms of it. Destroying the group does not join its threads: torch keeps FSDP's device mesh,
+    and with it the group, until the interpreter's last collection (gloo has no wait for them)."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
