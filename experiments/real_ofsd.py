@@ -21,8 +21,10 @@ The weights are float32 with bfloat16 compute where `--dtype=auto` picks it (FSD
 evolve.py). Every arm of a seed starts its adapter from the same torch seed.
 
 Prints one line per arm and seed, each round's diagnostics before -> after, the table (mean
-[lowest, highest draw]) and the declared rule's verdict: arm A gains over B only if A's mean test
-EM beats B's by more than the larger range over draws, or A's worst draw beats B's best. A draw is
+[lowest, highest draw]) and the margin rule of the earlier rounds (docs/ablation.md): arm A gains
+over B only if A's mean test EM beats B's by more than the larger range over draws, or A's worst
+draw beats B's best. The paired rule declared for the P-lora arms (a sign test per draw) is
+experiments/verdict.py's, over the same rows. A draw is
 a (policy, mining seed) pair: `--policy` names this checkpoint in the tables and its rows, and
 `--earlier` adds rows of draws on other policies to the tables, the rule and the chart. Writes a
 JSON line per arm and seed to --out and a chart (test EM per arm, a dot per draw). Run again with
