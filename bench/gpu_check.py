@@ -18,10 +18,11 @@ Sections (each row: what was run, the numbers, ok or not):
               peak memory against bench_memory's state formula; the row fails unless the round
               mined pairs (so it distilled) and nothing is NaN
   nccl        the same loop on two ranks over NCCL, when the machine has two GPUs (else skipped)
-Each section stops at its time limit (--limits, about 9 minutes in all on a GPU, looser under --smoke; a row
-says so) and prints its rows as they finish. `--smoke` runs every section on CPU at tiny shapes (the kernel
-under TRITON_INTERPRET=1, the loop on the toy backbone in bfloat16 on one gloo rank) in a few minutes; a test runs it, so the
-script cannot rot between GPU visits. Without Triton the kernel's rows are skipped, the reason printed.
+Each section stops at its time limit (--limits, about 9 minutes in all on a GPU, looser under
+--smoke; a row says so) and prints its rows as they finish. `--smoke` runs every section on CPU at
+tiny shapes (the kernel under TRITON_INTERPRET=1, the loop on the toy backbone in bfloat16 on one
+gloo rank) in a few minutes; a test runs it, so the script cannot rot between GPU visits. Without
+Triton the kernel's rows are skipped, the reason printed.
 
     python bench/gpu_check.py --out gpu_check.json [--checkpoint DIR]      # on a GPU, ~9 minutes
     python bench/gpu_check.py --smoke --out /tmp/smoke.json                # anywhere

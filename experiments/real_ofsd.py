@@ -24,11 +24,11 @@ Prints one line per arm and seed, each round's diagnostics before -> after, the 
 [lowest, highest draw]) and the margin rule of the earlier rounds (docs/ablation.md): arm A gains
 over B only if A's mean test EM beats B's by more than the larger range over draws, or A's worst
 draw beats B's best. The paired rule declared for the P-lora arms (a sign test per draw) is
-experiments/verdict.py's, over the same rows. A draw is
-a (policy, mining seed) pair: `--policy` names this checkpoint in the tables and its rows, and
-`--earlier` adds rows of draws on other policies to the tables, the rule and the chart. Writes a
-JSON line per arm and seed to --out and a chart (test EM per arm, a dot per draw). Run again with
-the same --out once every row is there, it prints the tables and the chart without computing.
+experiments/verdict.py's, over the same rows. A draw is a (policy, mining seed) pair: `--policy`
+names this checkpoint in the tables and its rows, and `--earlier` adds rows of draws on other
+policies to the tables, the rule and the chart. Writes a JSON line per arm and seed to --out and a
+chart (test EM per arm, a dot per draw). Run again with the same --out once every row is there, it
+prints the tables and the chart without computing.
 
 Resumable: each seed's mined pairs and their diagnostics go to OUT.pairs-seed<s>.json (or the file
 --pairs names, where another run's pairs are read: experiments/context.py's) as soon as they exist, and a run given the same --out skips the (seed, arm) rows already there and reads the
