@@ -1,5 +1,5 @@
 """What the experiments share: the rollout settings a mining run takes, a policy loaded as evolve.py
-loads it, mined pairs kept on disk for a resumed run, and the mean [lowest, highest] cell of a table.
+loads it, mined pairs and their diagnostics kept on disk for a resumed run, and the mean [lowest, highest] cell of a table.
 
 The experiments ask questions of the method (docs/ablation.md declares each before its runs); the
 speed and memory benches are in bench/. Each experiment is a script:
@@ -12,6 +12,7 @@ speed and memory benches are in bench/. Each experiment is a script:
     python experiments/backbone.py        # the toy backbone's targets
 """
 
+import json
 import os
 import sys
 import time
@@ -50,6 +51,20 @@ def mined_pairs(path, mine_them):
     if path:
         ofsd.save_pairs(path, pairs, dict(before=before, seconds=seconds))
     return pairs, before, seconds
+
+
+def saved_json(path, compute):
+    """compute()'s JSON value, read from `path` when a run before this one wrote it, else written
+    there before it is used (temporary name, rename): a resumed run does not compute it again."""
+    if path and os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    value = compute()
+    if path:
+        with open(path + ".tmp", "w") as f:
+            json.dump(value, f)
+        os.replace(path + ".tmp", path)
+    return value
 
 
 def stats(vals):

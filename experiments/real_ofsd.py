@@ -31,11 +31,13 @@ chart (test EM per arm, a dot per draw). Run again with the same --out once ever
 prints the tables and the chart without computing.
 
 Resumable: each seed's mined pairs and their diagnostics go to OUT.pairs-seed<s>.json (or the file
---pairs names, where another run's pairs are read: experiments/context.py's) as soon as they exist, and a run given the same --out skips the (seed, arm) rows already there and reads the
-pairs back instead of mining again (mining a seed takes about 40 minutes on 2 cores; a LoRA round
-of the real 0.5B about 40). The LoRA rounds recompute each decoder layer in backward
-(`--activation_checkpointing`, on by default): without it one step of 4 pairs of 1,000 / 2,000
-tokens peaks at 13.0 GB and the real round was killed at 24.4 GB; with it 6.8 GB.
+--pairs names, where another run's pairs are read: experiments/context.py's) as soon as they exist,
+a teacher view's diagnostics on pairs mined without it to <pairs file>.before-<context>.json (13
+minutes a draw on one core of the 0.5B), and a run given the same --out skips the (seed, arm) rows
+already there and reads both back instead of computing them again (mining a seed takes about 40
+minutes on 2 cores; a LoRA round of the real 0.5B about 40). The LoRA rounds recompute each decoder
+layer in backward (`--activation_checkpointing`, on by default): without it one step of 4 pairs of
+1,000 / 2,000 tokens peaks at 13.0 GB and the real round was killed at 24.4 GB; with it 6.8 GB.
 
 Left out: the alternating loop (evolve.py runs it), more than one round.
 
@@ -53,7 +55,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import PROTOCOL, cell, mined_pairs, policy, stats  # noqa: E402
+from common import PROTOCOL, cell, mined_pairs, policy, saved_json, stats  # noqa: E402
 from eval import evaluate, read_questions, summarize  # noqa: E402
 from evolve import DEFAULTS  # noqa: E402  (the loop's settings as written)
 import fsdp  # noqa: E402
@@ -240,11 +242,13 @@ def main():
         pairs_file = args.pairs.format(seed=seed) if args.pairs else args.out and f"{args.out}.pairs-seed{seed}.json"
         mined, before, seconds = mined_pairs(pairs_file, mine_them)
         if mined and (not before or before.get("context", "full") != context):  # pairs mined without this
-            # teacher view's diagnostics (another view's, or none: experiments/context.py's pairs files)
-            model, tok = policy(args.checkpoint, dev, dt)
-            before = dict(teacher_gap.before_round(model, tok, index, mined, rollout_args, args.kl_chunk, context),
-                          context=context)
-            model = None
+            # teacher view's diagnostics (another view's, or none: experiments/context.py's pairs files),
+            # computed once and kept beside the pairs file for every later run with this view
+            def diagnose():
+                model, tok = policy(args.checkpoint, dev, dt)
+                return dict(teacher_gap.before_round(model, tok, index, mined, rollout_args, args.kl_chunk, context),
+                            context=context)
+            before = saved_json(pairs_file and f"{pairs_file}.before-{context}.json", diagnose)
         print(f"seed {seed} | mined {len(mined)} of {min(args.questions, len(train))} | teacher_em "
               f"{before.get('teacher_em')} | student_em {before.get('student_em')} | p_search teacher "
               f"{before.get('p_search_teacher')} | student {before.get('p_search_student')} | {seconds:.0f}s", flush=True)
