@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import checkpoint  # noqa: E402
 import fsdp  # noqa: E402
 import lora  # noqa: E402
 import ofsd  # noqa: E402
@@ -61,9 +62,7 @@ def saved_json(path, compute):
             return json.load(f)
     value = compute()
     if path:
-        with open(path + ".tmp", "w") as f:
-            json.dump(value, f)
-        os.replace(path + ".tmp", path)
+        checkpoint.write_atomic(path, json.dumps(value))
     return value
 
 
