@@ -177,7 +177,8 @@ def grpo_round(policy, kl_model, optimizer, tokenizer, index, next_questions, *,
         stats = torch.tensor([sum(rewards), sum(t.n_search for t in trajs), len(trajs)], device=device)
         if dist.is_initialized():
             dist.all_reduce(stats)
-        m.update(step=step, reward=(stats[0] / stats[2]).item(), searches=(stats[1] / stats[2]).item(),
+        m.update(step=step, lr=optimizer.param_groups[0]["lr"], reward=(stats[0] / stats[2]).item(),
+                 searches=(stats[1] / stats[2]).item(),
                  seconds=time.time() - t0, rollout_seconds=rollout_seconds)
         log(m)
         history.append(m)

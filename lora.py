@@ -9,9 +9,10 @@ as safetensors with PEFT's tensor names (`base_model.model.<module>.lora_A.weigh
 
 A policy trained through adapters is its base checkpoint and the ordered adapters merged into it
 (`save_policy`): a folder with policy.json (the base's path and the SHA-256 of its weights, the
-adapters in order) and a copy of each adapter, a few megabytes where the weights are gigabytes.
-`load_policy` reads either that or a plain checkpoint folder; merging the same float32 adapters
-into the same float32 base in the same order gives the same weights, bit for bit.
+adapters in order, each with the SHA-256 of its files) and a copy of each adapter, a few megabytes
+where the weights are gigabytes. `load_policy` reads either that or a plain checkpoint folder, and
+refuses a base or an adapter whose bytes are not the ones policy.json names; merging the same
+float32 adapters into the same float32 base in the same order gives the same weights, bit for bit.
 
 Left out: DoRA, rsLoRA, bias training, several named adapters at once, quantized bases.
 
@@ -187,18 +188,60 @@ def weights_sha256(model_dir):
     return h.hexdigest()
 
 
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def adapter_sha256(adapter_dir):
+    """SHA-256 over an adapter's two files (config, then weights): the adapter's identity."""
+    h = hashlib.sha256()
+    for name in ADAPTER_FILES:
+        with open(os.path.join(adapter_dir, name), "rb") as f:
+            while block := f.read(1 << 24):
+                h.update(block)
+    return h.hexdigest()
+
+
 def read_chain(path):
-    """A policy folder as {"base", "base_sha256", "adapters": [absolute adapter dirs, in merge order]};
-    a plain checkpoint folder is its own base with no adapters (its hash taken when first needed: None)."""
+    """A policy folder as {"base", "base_sha256", "adapters": [absolute adapter dirs, in merge order],
+    "adapters_sha256": [each adapter's adapter_sha256]}; a plain checkpoint folder is its own base with
+    no adapters (its hash taken when first needed: None)."""
     file = os.path.join(path, POLICY_FILE)
     if not os.path.isfile(file):
-        return dict(base=os.path.abspath(path), base_sha256=None, adapters=[])
+        return dict(base=os.path.abspath(path), base_sha256=None, adapters=[], adapters_sha256=[])
     with open(file) as f:
         cfg = json.load(f)
-    if not {"base", "base_sha256", "adapters"} <= set(cfg):
-        raise ValueError(f"{file}: needs base, base_sha256 and adapters")
+    if not {"base", "base_sha256", "adapters", "adapters_sha256"} <= set(cfg):
+        raise ValueError(f"{file}: needs base, base_sha256, adapters and adapters_sha256")
+    if len(cfg["adapters"]) != len(cfg["adapters_sha256"]):
+        raise ValueError(f"{file}: {len(cfg['adapters'])} adapters but {len(cfg['adapters_sha256'])} hashes")
     return dict(base=os.path.expanduser(cfg["base"]), base_sha256=cfg["base_sha256"],
-                adapters=[os.path.join(path, a) for a in cfg["adapters"]])
+                adapters=[os.path.join(path, a) for a in cfg["adapters"]], adapters_sha256=list(cfg["adapters_sha256"]))
+
+
+def check_chain(path, chain):
+    """Refuse a policy folder whose base weights or any adapter's files are not the bytes policy.json names."""
+    file = os.path.join(path, POLICY_FILE)
+    if not os.path.isdir(chain["base"]):
+        raise FileNotFoundError(f"{file}: base checkpoint {chain['base']} not found")
+    if weights_sha256(chain["base"]) != chain["base_sha256"]:
+        raise ValueError(f"{file}: the weights in {chain['base']} are not the base it "
+                         f"was trained from (SHA-256 {chain['base_sha256'][:12]}...)")
+    for adapter, sha in zip(chain["adapters"], chain["adapters_sha256"]):
+        if not all(os.path.isfile(os.path.join(adapter, n)) for n in ADAPTER_FILES):
+            raise FileNotFoundError(f"{file}: adapter {adapter} not found")
+        if adapter_sha256(adapter) != sha:
+            raise ValueError(f"{file}: adapter {adapter} is not the one it was trained with "
+                             f"(SHA-256 {sha[:12]}...)")
+
+
+def policy_sha256(path):
+    """One SHA-256 for what a folder loads as: a plain checkpoint's weights, or a policy's base and
+    adapters in order (the hashes policy.json records, checked first)."""
+    chain = read_chain(path)
+    if chain["base_sha256"] is None:
+        return weights_sha256(path)
+    check_chain(path, chain)
+    return hashlib.sha256(" ".join([chain["base_sha256"]] + chain["adapters_sha256"]).encode()).hexdigest()
 
 
 def base_dir(path):
@@ -211,6 +254,7 @@ def save_policy(path, chain, base_name=None):
     adapter as adapters/NN-name (temporary folder, then rename). base_name: the base as policy.json
     names it (default: its path), e.g. "~/.cache/qwen2.5-coder-0.5b-instruct" for a committed policy."""
     sha = chain["base_sha256"] or weights_sha256(chain["base"])
+    adapter_shas = [adapter_sha256(a) for a in chain["adapters"]]
     tmp = path.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(os.path.join(tmp, "adapters"))
@@ -219,25 +263,22 @@ def save_policy(path, chain, base_name=None):
         names.append(os.path.join("adapters", f"{i:02d}-{os.path.basename(src.rstrip('/')).split('-', 1)[-1]}"))
         shutil.copytree(src, os.path.join(tmp, names[-1]))
     with open(os.path.join(tmp, POLICY_FILE), "w") as f:
-        json.dump(dict(base=base_name or chain["base"], base_sha256=sha, adapters=names), f, indent=2)
+        json.dump(dict(base=base_name or chain["base"], base_sha256=sha, adapters=names,
+                       adapters_sha256=adapter_shas), f, indent=2)
     if os.path.exists(path):
         shutil.rmtree(path)
     os.replace(tmp, path)
-    return dict(chain, base_sha256=sha)
+    return dict(chain, base_sha256=sha, adapters_sha256=adapter_shas)
 
 
 def load_policy(path, device="cpu", dtype=torch.float32):
     """(model, tokenizer) from a checkpoint folder or a policy folder: the base in float32, each
-    adapter merged in order (float32), then cast to `dtype`. A base whose weights are not the
-    ones policy.json names is refused."""
+    adapter merged in order (float32), then cast to `dtype`. A base or an adapter whose bytes are
+    not the ones policy.json names is refused, by name."""
     chain = read_chain(path)
-    if not chain["adapters"] and chain["base_sha256"] is None:
+    if chain["base_sha256"] is None:  # a plain checkpoint folder
         return load(path, device, dtype)
-    if not os.path.isdir(chain["base"]):
-        raise FileNotFoundError(f"{os.path.join(path, POLICY_FILE)}: base checkpoint {chain['base']} not found")
-    if weights_sha256(chain["base"]) != chain["base_sha256"]:
-        raise ValueError(f"{os.path.join(path, POLICY_FILE)}: the weights in {chain['base']} are not the base it "
-                         f"was trained from (SHA-256 {chain['base_sha256'][:12]}...)")
+    check_chain(path, chain)
     model, tokenizer = load(chain["base"], device, torch.float32)
     for adapter in chain["adapters"]:
         merge(load_adapter(model, adapter))

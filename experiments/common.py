@@ -12,8 +12,11 @@ speed and memory benches are in bench/. Each experiment is a script:
     python experiments/backbone.py        # the toy backbone's targets
 """
 
+import hashlib
 import json
 import os
+import platform
+import subprocess
 import sys
 import time
 
@@ -26,6 +29,50 @@ import checkpoint  # noqa: E402
 import fsdp  # noqa: E402
 import lora  # noqa: E402
 import ofsd  # noqa: E402
+
+def machine():
+    """This CPU as a row records it: its model name and which native bfloat16 paths it has."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    name = value.strip()
+                elif key.strip() in ("flags", "Features"):
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return dict(cpu=name, avx512_bf16="avx512_bf16" in flags, amx_bf16="amx_bf16" in flags)
+
+
+def file_sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    return h.hexdigest()
+
+
+def commit():
+    """The checkout's commit, with "+changes" when tracked files differ from it (None outside git)."""
+    def git(*a):
+        return subprocess.run(["git", "-C", ROOT, *a], capture_output=True, text=True)
+    head = git("rev-parse", "HEAD")
+    if head.returncode:
+        return None
+    return head.stdout.strip() + ("+changes" if git("status", "--porcelain", "--untracked-files=no").stdout.strip() else "")
+
+
+def provenance(policy_dir, pairs_file, training):
+    """What made a row, for every row `experiments/` writes: this machine (CPU, bfloat16 / AMX flags),
+    torch and its threads, the commit, the SHA-256 of the policy (lora.policy_sha256) and of the pairs
+    file, and the training settings (`training`: rank, alpha, lr, epochs, steps, ...)."""
+    return dict(machine(), torch=torch.__version__, threads=torch.get_num_threads(), commit=commit(),
+                policy_sha256=lora.policy_sha256(policy_dir),
+                pairs_sha256=file_sha256(pairs_file) if pairs_file and os.path.exists(pairs_file) else None,
+                training=training)
+
 
 PROTOCOL = ("max_turns", "max_turn_tokens", "max_obs_tokens", "top_k", "temperature", "top_p", "rollout_rows")
 
@@ -54,13 +101,22 @@ def mined_pairs(path, mine_them):
     return pairs, before, seconds
 
 
-def saved_json(path, compute):
-    """compute()'s JSON value, read from `path` when a run before this one wrote it, else written
-    there before it is used (temporary name, rename): a resumed run does not compute it again."""
+def saved_diagnostics(path, compute, recompute_elsewhere=False):
+    """compute()'s JSON value, read from `path` when a run before this one wrote it, else written there
+    before it is used (temporary name, rename), for diagnostics whose floats depend on the CPU: the
+    file carries the machine that computed it ("machine"); one from another CPU is recomputed when `recompute_elsewhere`, else read
+    with a printed line that says where it came from (the value keeps its "machine")."""
+    here = machine()
     if path and os.path.exists(path):
         with open(path) as f:
-            return json.load(f)
-    value = compute()
+            value = json.load(f)
+        if value.get("machine") == here:
+            return value
+        if not recompute_elsewhere:
+            print(f"{path}: computed on {value.get('machine') or 'an unrecorded machine'}, not on this one "
+                  f"({here['cpu']}); read as it is (--recompute_diagnostics computes it here)", flush=True)
+            return value
+    value = dict(compute(), machine=here)
     if path:
         checkpoint.write_atomic(path, json.dumps(value))
     return value

@@ -28,7 +28,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import PROTOCOL, mined_pairs, policy  # noqa: E402
+from common import PROTOCOL, mined_pairs, policy, provenance  # noqa: E402
 from eval import read_questions  # noqa: E402
 from evolve import DEFAULTS  # noqa: E402
 import fsdp  # noqa: E402
@@ -103,7 +103,8 @@ def main():
               + f" | {'yes' if row['kept'] else 'no'} | {row['seconds']:.0f} |", flush=True)
         if args.out:
             with open(args.out, "a") as f:
-                f.write(json.dumps(dict(row, checkpoint=args.checkpoint, pairs_file=args.pairs)) + "\n")
+                f.write(json.dumps(dict(row, checkpoint=args.checkpoint, pairs_file=args.pairs,
+                                        made=provenance(args.checkpoint, args.pairs, None))) + "\n")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ at the loop's sampling settings (a generator seeded s), one pair mined per quest
 sample (ofsd.mine, the paper's rule), and the round's diagnostics before (ofsd.mined_diagnostics:
 greedy EM on the mined questions from the teacher and the student view, disagreement, true KL by
 segment). Then each arm, from a fresh copy of the checkpoint, on exactly those pairs:
-    none-round     no round: the checkpoint itself (greedy, so evaluated once for every seed)
+    none-round     no round: the checkpoint itself, evaluated on every draw (never a copy)
     ofsd-<clip>    ofsd.distill with ofsd_clip = vocab, position or none, the adapter merged
     rft            the same LoRA round minimising the NLL of tau_ref's own policy tokens in the
                    student view, each pair's mean over its tokens (rejection-sampling fine-tuning:
@@ -55,7 +55,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import PROTOCOL, cell, mined_pairs, policy, saved_json, stats  # noqa: E402
+from common import PROTOCOL, cell, machine, mined_pairs, policy, provenance, saved_diagnostics, stats  # noqa: E402
 from eval import evaluate, read_questions, summarize  # noqa: E402
 from evolve import DEFAULTS  # noqa: E402  (the loop's settings as written)
 import fsdp  # noqa: E402
@@ -198,6 +198,8 @@ def main():
     ap.add_argument("--pairs", default="", help="each seed's pairs file, {seed} in its name (default: OUT.pairs-seed{seed}.json)")
     ap.add_argument("--chart", default="", help="an SVG chart of test EM per arm")
     ap.add_argument("--policy", default="", help="the checkpoint's name in the tables, kept in each row it writes")
+    ap.add_argument("--recompute_diagnostics", action="store_true",
+                    help="recompute a diagnostics file that another CPU computed (else read it and say so)")
     ap.add_argument("--earlier", nargs="*", default=[],
                     help="JSON lines of earlier draws (other policies), counted in the tables, the rule and the chart")
     args = ap.parse_args()
@@ -226,7 +228,6 @@ def main():
     view = (args.ofsd_context, args.ofsd_positions)
     done = {(r["seed"], r["arm"]) for r in rows  # a resumed run skips these (none-round: any view)
             if r["arm"] == "none-round" or (r.get("ofsd_context", "full"), r.get("ofsd_positions", "policy")) == view}
-    baseline = next(((r["test"], r.get("test_em_by_question")) for r in rows if r["arm"] == "none-round"), None)
     for seed in [int(s) for s in args.seeds.split(",")]:
         if all((seed, arm) in done for arm in arms):
             continue
@@ -237,7 +238,7 @@ def main():
             mined = ofsd.mine_round(model, tok, index, questions, group_size=args.group_size, rollout_args=rollout_args,
                                     generator=torch.Generator(device=dev).manual_seed(seed), ofsd_students="any")
             before = teacher_gap.before_round(model, tok, index, mined, rollout_args, args.kl_chunk, context)
-            return mined, dict(before, context=context)
+            return mined, dict(before, context=context, machine=machine())
 
         pairs_file = args.pairs.format(seed=seed) if args.pairs else args.out and f"{args.out}.pairs-seed{seed}.json"
         mined, before, seconds = mined_pairs(pairs_file, mine_them)
@@ -248,7 +249,8 @@ def main():
                 model, tok = policy(args.checkpoint, dev, dt)
                 return dict(teacher_gap.before_round(model, tok, index, mined, rollout_args, args.kl_chunk, context),
                             context=context)
-            before = saved_json(pairs_file and f"{pairs_file}.before-{context}.json", diagnose)
+            before = saved_diagnostics(pairs_file and f"{pairs_file}.before-{context}.json", diagnose,
+                                       args.recompute_diagnostics)
         print(f"seed {seed} | mined {len(mined)} of {min(args.questions, len(train))} | teacher_em "
               f"{before.get('teacher_em')} | student_em {before.get('student_em')} | p_search teacher "
               f"{before.get('p_search_teacher')} | student {before.get('p_search_student')} | {seconds:.0f}s", flush=True)
@@ -271,12 +273,11 @@ def main():
                     em, searches = teacher_gap.greedy_scores(model, tok, index, mined, rollout_args,
                                                              context if view == "teacher" else None)
                     m.update(teacher_gap.split_em(name, em, mined), **{f"{view}_searches_after": sum(searches) / len(mined)})
-            if arm == "none-round" and baseline is not None:
-                summary, by_question = baseline
-            else:
-                summary, by_question = test_em(model, tok, index, test, protocol, args.eval_batch)
-            baseline = (summary, by_question) if arm == "none-round" else baseline
+            summary, by_question = test_em(model, tok, index, test, protocol, args.eval_batch)
+            training = None if arm == "none-round" else dict(
+                {k: getattr(args, k) for k in ROUND}, steps=len(m.get("losses", [])), activation_checkpointing=recompute)
             row = dict(policy=args.policy, seed=seed, arm=arm, mined=len(mined), before=before, test=summary,
+                       test_from="evaluated", made=provenance(args.checkpoint, pairs_file, training),
                        **{k: getattr(args, k) for k in VIEW}, kl_weight=args.kl_weight if arm == "rft-kl" else None,
                        test_em_by_question=by_question,
                        round={k: v for k, v in m.items() if k != "losses"}, losses=m.get("losses", []),

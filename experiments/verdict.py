@@ -43,7 +43,8 @@ def paired(a, b):
 
 
 def read_rows(paths):
-    """{arm label: {draw: row}} from JSON-lines files (a later row of the same arm and draw wins)."""
+    """{arm label: {draw: row}} from JSON-lines files: a later row of the same arm and draw wins, except
+    that a row whose test results were copied from another ("test_from": "reused ...") never replaces one."""
     arms = {}
     for path in paths:
         with open(path) as f:
@@ -56,7 +57,9 @@ def read_rows(paths):
                     raise SystemExit(f"{path}, line {n}: not JSON ({e})")
                 if "test_em_by_question" not in row:
                     raise SystemExit(f"{path}, line {n}: no test_em_by_question (a row from before the paired rule)")
-                arms.setdefault(label(row), {})[draw(row)] = row
+                held = arms.setdefault(label(row), {})
+                if not (row.get("test_from", "").startswith("reused") and draw(row) in held):
+                    held[draw(row)] = row  # an evaluated row is never replaced by one that copied its test
     return arms
 
 

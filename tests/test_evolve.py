@@ -112,6 +112,16 @@ def test_bad_view_settings_are_refused_before_anything_is_written(tmp_path):
     assert "--ofsd_context='answer'" in p.stderr and "--ofsd_positions='all'" in p.stderr
 
 
+@pytest.mark.parametrize("bad", ["--ofsd_loss=kll", "--ppo_mini_batch=4", "--grpo_lora_rank=-1"])
+def test_a_bad_setting_is_refused_before_anything_is_written(micro, tmp_path, bad):
+    """An unknown --ofsd_loss, a PPO mini-batch larger than the step's questions, a negative LoRA rank:
+    each refused by the command, naming the key, with no run folder."""
+    out = tmp_path / "run"
+    p = evolve(micro + [f"--out_dir={out}", bad])  # micro: --questions_per_step=2
+    assert p.returncode != 0 and not out.exists()
+    assert bad.split("=")[0] in p.stderr
+
+
 def test_compile_off_cuda_is_refused_before_anything_is_written(tmp_path):
     """--compile=true on a CPU is refused, naming the setting and the device, with no run folder."""
     out = tmp_path / "run"

@@ -54,6 +54,15 @@ def test_kl_reference_with_the_adapter_off_is_the_round_start(agent, tokenizer, 
     assert (moved - start).abs().max() > 1e-3
 
 
+def test_a_moved_adapter_has_a_kl_term(agent, tokenizer, search_index):
+    """After a LoRA step moved the adapter, the next step's KL term (to the policy with the adapter off) is not 0."""
+    policy, adapter, trajs = lora_step(agent, tokenizer, search_index)
+    opt = torch.optim.AdamW(adapter, lr=1e-2, weight_decay=0.0)
+    m = grpo.grpo_step(policy, None, opt, trajs, [1.0, -1.0, 0.5, 0.0, 2.0, -0.5], micro_batch=4, clip_ratio=0.2,
+                       kl_coef=0.1, entropy_coef=0.0, temperature=1.0, max_grad_norm=1.0, pad_id=0)
+    assert m["kl"] > 1e-6
+
+
 def test_base_and_chain_reloaded_give_the_policy(agent, tokenizer, search_index, tmp_path):
     """Base + ordered adapters written by save_policy and read by load_policy give the in-memory merged policy's
     logits (two adapters merged in turn), and a base with other weights is refused."""
@@ -81,6 +90,36 @@ def test_base_and_chain_reloaded_give_the_policy(agent, tokenizer, search_index,
         lora.load_policy(str(tmp_path / "policy"))
 
 
+def test_a_changed_adapter_or_base_is_refused_by_name(agent, tokenizer, tmp_path):
+    """policy.json records each adapter's SHA-256: one changed byte in an adapter is refused naming that
+    adapter; a policy folder with no adapter still checks its base."""
+    base = str(tmp_path / "base")
+    save(agent, tokenizer, base)
+    policy = copy.deepcopy(agent)
+    torch.manual_seed(0)
+    for name in ("01-grpo", "02-ofsd"):
+        params = lora.attach(policy, 2, 4)
+        with torch.no_grad():
+            params[1].add_(0.01)
+        lora.merge_trained(policy, params, str(tmp_path / "a" / name))
+    chain = dict(base=base, base_sha256=None, adapters=[str(tmp_path / "a" / n) for n in ("01-grpo", "02-ofsd")])
+    lora.save_policy(str(tmp_path / "policy"), chain)
+    lora.load_policy(str(tmp_path / "policy"))
+    weights = tmp_path / "policy" / "adapters" / "01-ofsd" / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="adapter .*01-ofsd is not the one it was trained with"):
+        lora.load_policy(str(tmp_path / "policy"))
+    lora.save_policy(str(tmp_path / "bare"), dict(chain, adapters=[]))
+    with torch.no_grad():
+        agent_copy = copy.deepcopy(agent)
+        agent_copy.lm_head.weight.add_(1e-3)
+    save(agent_copy, tokenizer, base)
+    with pytest.raises(ValueError, match="not the base it was trained from"):
+        lora.load_policy(str(tmp_path / "bare"))
+
+
 def evolve(args):
     p = run_evolve(args)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -91,7 +130,7 @@ def evolve(args):
 def lora_runs(micro, tmp_path_factory):
     """(a LoRA run of 2 iterations, the same run stopped after 1 and resumed to 2): out_dirs."""
     d = tmp_path_factory.mktemp("lora_runs")
-    args = [*micro, "--grpo_lora_rank=4", "--grpo_lora_lr=1e-3"]
+    args = [*micro, "--grpo_lora_rank=4", "--grpo_lora_lr=1e-3", "--ofsd_questions=6"]  # OFSD rounds mine pairs
     full, cut = str(d / "full"), str(d / "cut")
     evolve(args + ["--iterations=2", f"--out_dir={full}"])
     evolve(args + ["--iterations=1", f"--out_dir={cut}"])
@@ -105,7 +144,7 @@ def test_lora_run_saves_its_adapters_and_a_policy_folder(lora_runs, micro):
     names = sorted(os.listdir(os.path.join(full, "adapters")))
     trained = [json.loads(line)["round"] for line in open(os.path.join(full, "metrics.jsonl"))
                if json.loads(line)["kind"] == "ofsd_round" and json.loads(line)["losses"]]  # rounds that mined pairs
-    assert names == sorted(["01-grpo", "03-grpo"] + [f"{r:02d}-ofsd" for r in trained])
+    assert trained and names == sorted(["01-grpo", "03-grpo"] + [f"{r:02d}-ofsd" for r in trained])
     cfg = json.load(open(os.path.join(full, "adapters", names[0], "adapter_config.json")))
     assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and len(cfg["target_modules"]) == 7
     model_dir = os.path.join(full, "checkpoint", "model")
@@ -123,6 +162,17 @@ def test_lora_run_resumes_exactly(lora_runs):
         assert all(torch.equal(a[k], b[k]) for k in a), name
     results = [json.load(open(os.path.join(d, "checkpoint", "state.json")))["results"] for d in (full, cut)]
     assert [r["summary"] for r in results[0]] == [r["summary"] for r in results[1]]
+    chains = [json.load(open(os.path.join(d, "checkpoint", "model", "policy.json"))) for d in (full, cut)]
+    assert chains[0]["adapters_sha256"] == chains[1]["adapters_sha256"]  # the whole chain, not the resumed part
+    assert len(chains[0]["adapters"]) == len(os.listdir(os.path.join(full, "adapters")))
+
+
+def test_lora_rounds_train_at_the_lora_lr(lora_runs):
+    """Each LoRA GRPO step's learning rate is --grpo_lora_lr (1e-3 here, --lr 1e-4) under the warm-up."""
+    full, _ = lora_runs
+    rows = [json.loads(line) for line in open(os.path.join(full, "metrics.jsonl"))]
+    steps = [r for r in rows if r["kind"] == "grpo_step"]
+    assert steps and all(r["lr"] == pytest.approx(1e-3 * min(1.0, r["step"] / 3)) for r in steps)
 
 
 def test_initial_kl_model_after_a_merge_is_refused(micro, tmp_path):

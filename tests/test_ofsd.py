@@ -29,9 +29,9 @@ def views(tokenizer, ref, stu, context="full", positions="policy"):
 
 
 def test_reference_is_correct_with_fewest_searches():
-    """tau_ref: the correct trajectory with the fewest searches; ties to the shortest."""
-    g = [traj([5, 6, 7], 2), traj([5, 6, 7, 8], 1), traj([5, 6], 1), traj([9, 9], 0)]
-    assert ofsd.mine_pair(g, [1, 1, 1, 0])[0] == 2
+    """tau_ref: the correct trajectory with the fewest searches, however long; ties to the shortest."""
+    g = [traj([5, 6, 7], 2), traj([5, 6, 7, 8], 1), traj([5, 6, 7, 8, 9], 1), traj([5], 3), traj([9, 9], 0)]
+    assert ofsd.mine_pair(g, [1, 1, 1, 1, 0])[0] == 1
 
 
 def test_student_is_the_most_different_incorrect():

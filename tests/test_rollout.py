@@ -170,3 +170,41 @@ def test_answer_is_taken_from_model_text_only():
     assert extract_answer("<answer> a </answer> then <answer> b </answer>") == "b"
     assert extract_answer("no tags") is None
     assert "<answer> Beijing </answer>" in make_prompt("q")
+
+
+def test_a_stop_id_uses_up_its_uniform(tokenizer):
+    """Trajectory i's k-th draw is at uniforms[i, k], a dropped stop id's draw included: replayed by full
+    forwards, each sampled token (and each stop) is the draw at the next uniform in order."""
+    model = random_model(tiny_config(), seed=3)
+    prompt = tokenizer.encode(tokenizer.chat_prompt("which river"))
+    stops = set(range(0, model.config.vocab_size, 3))  # a third of the vocabulary ends a turn
+    u = torch.rand(1, 64, generator=torch.Generator().manual_seed(0))
+    turns, feed = [], [7, 8]
+
+    def turn_end(ended):
+        (i, toks, _, why), = ended
+        turns.append((list(toks), why))
+        return {i: None if len(turns) == 5 else feed}
+    generate.decode(model, tokenizer, [prompt], 1, turn_end, max_len=200, max_turn_tokens=6, temperature=1.0,
+                    top_p=1.0, uniforms=u, stop_ids=stops)
+    assert sum(why == "stop_id" for _, why in turns) >= 2
+    ctx, k = list(prompt), 0
+    with torch.no_grad():
+        for toks, why in turns:
+            for t in toks + ([None] if why == "stop_id" else []):
+                tok, _ = generate.draw(model(torch.tensor([ctx]))[0, -1:].float(), 1.0, 1.0, u[:, k:k + 1])
+                assert (tok.item() in stops) if t is None else tok.item() == t
+                ctx, k = ctx + ([] if t is None else [t]), k + 1
+            ctx += feed
+
+
+def test_a_full_kv_cache_is_refused(tokenizer):
+    """A row that would outgrow the cache is refused ("KV cache full"), never written past its end."""
+    model = random_model(tiny_config())
+    cache = generate.new_cache(model, 1, 8)
+    with pytest.raises(ValueError, match="KV cache full"):
+        cache.upto(9)
+    prompt = tokenizer.encode(tokenizer.chat_prompt("which river"))
+    with pytest.raises(ValueError, match="KV cache full"):
+        generate.decode(model, tokenizer, [prompt], 1, lambda ended: {i: None for i, *_ in ended},
+                        max_len=len(prompt) + 2, max_turn_tokens=8, temperature=0.0, top_p=1.0, stop_ids=())

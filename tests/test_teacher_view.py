@@ -176,3 +176,41 @@ def test_nll_kl_loss_adds_the_weighted_kl_to_the_nll(agent, tokenizer, group):
                      lora_lr=1e-3, lora_epochs=1, ofsd_micro_batch=1, tau_clip=0.0, ofsd_clip="none",
                      ofsd_context="queries", ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=7, seed=0)
     assert abs(m["losses"][0] - want) <= 1e-5 * max(1.0, want)
+
+
+def hand_trajectory(tokenizer, turns):
+    """A trajectory of the agent's question with the given (text, sampled) spans after its prompt."""
+    from rollout import Trajectory, make_prompt
+    prompt = tokenizer.encode(tokenizer.chat_prompt(make_prompt(AGENT_QUESTION)))
+    t = Trajectory(AGENT_QUESTION, len(prompt))
+    t.add(prompt, sampled=False)
+    for text, sampled in turns:
+        t.add(tokenizer.encode(text), sampled=sampled)
+        if sampled and "<search>" in text:
+            t.queries.append(text.split("<search>")[1].split("</search>")[0].strip())
+    return t
+
+
+def test_query_positions_leave_out_answer_turns(tokenizer):
+    """In a search turn then an answer turn, the query positions cover "q</search>" and nothing of the answer."""
+    t = hand_trajectory(tokenizer, [("<think> look </think>\n<search> river Paris </search>", True),
+                                    ("\n\n<information>Doc 1(Title: x) river</information>\n\n", False),
+                                    ("<think> found </think>\n<answer> Paris </answer>", True)])
+    pos = ofsd.query_positions(tokenizer, t)
+    text = tokenizer.decode([t.tokens[p] for p in pos])
+    assert "river Paris" in text and text.strip().endswith("</search>")
+    assert "answer" not in text and "Paris </answer>" not in text
+    answer_start = max(i for i in range(len(t.tokens)) if not t.loss_mask[i]) + 1
+    assert all(p < answer_start for p in pos)
+
+
+def test_nll_at_query_positions_keeps_students_that_never_searched(agent, tokenizer, group):
+    """ofsd_loss="nll" fits tau_ref whatever the student's loss positions: a pair whose student never
+    searched (no query position) still trains with ofsd_positions="queries"."""
+    stu = hand_trajectory(tokenizer, [("<think> sure </think>\n<answer> Paris </answer>", True)])
+    assert not ofsd.query_positions(tokenizer, stu)
+    pair = ofsd.Pair(searcher(group), stu, True, golds=("Paris",))
+    m = ofsd.distill(copy.deepcopy(agent), tokenizer, [pair], ofsd_loss="nll", kl_weight=0.0, lora_rank=4,
+                     lora_alpha=8, lora_lr=1e-3, lora_epochs=1, ofsd_micro_batch=1, tau_clip=0.05, ofsd_clip="vocab",
+                     ofsd_context="queries", ofsd_positions="queries", max_grad_norm=1.0, kl_chunk=7, seed=0)
+    assert len(m["losses"]) == 1
