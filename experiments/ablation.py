@@ -30,7 +30,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import cell, stats  # noqa: E402
+from common import cell, provenance, stats  # noqa: E402
 from eval import curves_svg  # noqa: E402  (the repository's chart, shared with evolve.py)
 import evolve  # noqa: E402  (its parse_overrides types a variant's settings)
 import checkpoint  # noqa: E402
@@ -131,6 +131,9 @@ def main():
     variants = [(v.partition(":")[0], [a for a in v.partition(":")[2].split(",") if a]) for v in args.variants]
     seeds = args.seeds.split(",")
     jobs = plan(variants, seeds, args.out, args.extra)
+    made = provenance(os.path.join(ROOT, "cache/toyworld/backbone"), None, threads=int(env["OMP_NUM_THREADS"]),
+                      training=dict(seeds=seeds, variants=args.variants, extra=args.extra))
+    checkpoint.write_atomic(os.path.join(ROOT, args.out, "made.json"), json.dumps(made, indent=1))
     run_all(jobs, args.parallel, env)
     runs = [(name, s, f"{args.out}/{name}-seed{s}") for s in seeds for name, _ in variants]
 
@@ -144,7 +147,8 @@ def main():
         f.write(curves_svg(results))
 
     types = [t for t in results[variants[0][0]][0][0]["summary"] if t != "all"]
-    print(f"\nseeds {args.seeds}; mean over seeds [lowest, highest]; {time.time() - t0:.0f} s for the table\n")
+    print(f"\nseeds {args.seeds}; mean over seeds [lowest, highest]; {time.time() - t0:.0f} s for the table; "
+          f"made: {json.dumps(made)}\n")
     print("| variant | after | GRPO steps | EM | " + " | ".join(types) + " | searches/q |")
     print("|---|---|---|---|" + "---|" * len(types) + "---|")
     for name, runs in results.items():

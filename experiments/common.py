@@ -64,11 +64,12 @@ def commit():
     return head.stdout.strip() + ("+changes" if git("status", "--porcelain", "--untracked-files=no").stdout.strip() else "")
 
 
-def provenance(policy_dir, pairs_file, training):
+def provenance(policy_dir, pairs_file, training, threads=None):
     """What made a row, for every row `experiments/` writes: this machine (CPU, bfloat16 / AMX flags),
-    torch and its threads, the commit, the SHA-256 of the policy (lora.policy_sha256) and of the pairs
-    file, and the training settings (`training`: rank, alpha, lr, epochs, steps, ...)."""
-    return dict(machine(), torch=torch.__version__, threads=torch.get_num_threads(), commit=commit(),
+    torch and its threads (this process's, or `threads` for the runs it starts), the commit, the SHA-256
+    of the policy (lora.policy_sha256) and of the pairs file, and the training settings (`training`:
+    rank, alpha, lr, epochs, steps, ...)."""
+    return dict(machine(), torch=torch.__version__, threads=threads or torch.get_num_threads(), commit=commit(),
                 policy_sha256=lora.policy_sha256(policy_dir),
                 pairs_sha256=file_sha256(pairs_file) if pairs_file and os.path.exists(pairs_file) else None,
                 training=training)
