@@ -12,6 +12,9 @@ folder of torch.distributed.checkpoint with each rank's slices), state.json (loo
 results, configuration, Python RNG) and one RNG file per rank, so a resumed run continues exactly
 where the killed one stopped (on the same number of ranks).
 
+`Run` holds all of it for evolve.py: the directory's checks, the loop's state, metrics.jsonl, the
+LoRA chain of a run that trains through adapters, and the checkpoint at the end of each round.
+
 Left out: sharded model files (a 7B model is gathered on rank 0: 30 GB of host memory),
 keeping more than the last checkpoint.
 """
@@ -175,3 +178,64 @@ def load_checkpoint(ckpt_dir, policy, optimizer, rank, rng, gen):
     if rank == 0:
         print(f"resumed from {ckpt_dir}: {state['done']} rounds done")
     return state
+
+
+class Run:
+    """evolve.py's out_dir, one object: checked when made (a fresh run's directory, or --resume's
+    checkpoint and settings), claimed before the first write, the loop's state (rounds done, GRPO
+    steps, evaluation rows, lines in metrics.jsonl), one record a line, and, for a run that trains
+    through LoRA adapters, the chain of them (lora.save_policy) that its checkpoint is."""
+
+    def __init__(self, out_dir, config, rank, world_size, may_change):
+        self.out_dir, self.config, self.rank, self.resume = out_dir, config, rank, config["resume"]
+        self.ckpt_dir, self.metrics_path = os.path.join(out_dir, "checkpoint"), os.path.join(out_dir, "metrics.jsonl")
+        if self.resume:
+            check_resume(self.ckpt_dir, config, world_size, may_change)
+        else:
+            check_run_dir(out_dir, config["overwrite"])
+        self.state = dict(done=0, step=0, results=[], metrics_lines=0, world_size=world_size)
+        self.chain = None  # a LoRA run's base and adapters, in merge order
+
+    def load_policy(self, start_model, device, lora_chain):
+        """The policy in float32: the start model, or the last checkpoint's when resuming (a fresh
+        run claims its directory first). With `lora_chain` the run keeps its policy as a chain."""
+        if not self.resume and self.rank == 0:
+            claim_run_dir(self.out_dir)
+        barrier()
+        path = recover(self.ckpt_dir, self.rank) if self.resume else start_model
+        self.chain = lora.read_chain(path) if lora_chain else None
+        return lora.load_policy(path, device, torch.float32)[0]
+
+    def restore(self, policy, optimizer, rng, gen):
+        """When resuming: the optimizer, the random states and the loop's state from the checkpoint;
+        metrics.jsonl loses the lines a killed round wrote after it (they are written again)."""
+        if self.resume:
+            self.state = load_checkpoint(self.ckpt_dir, policy, optimizer, self.rank, rng, gen)
+            if self.rank == 0:
+                keep_first_lines(self.metrics_path, self.state["metrics_lines"])
+
+    def record(self, row, line):
+        """One JSON line in metrics.jsonl (none when row is None) and one printed line, on rank 0."""
+        if self.rank == 0:
+            if row is not None:
+                with open(self.metrics_path, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+                self.state["metrics_lines"] += 1
+            print(line, flush=True)
+
+    def adapter_dir(self, name):
+        """Where a LoRA run saves the adapter `name` (None for a run that keeps whole weights)."""
+        return os.path.join(self.out_dir, "adapters", name) if self.chain is not None else None
+
+    def add_adapter(self, name):
+        """The adapter saved as `name` joins the chain (it is merged into the policy)."""
+        self.chain["adapters"].append(self.adapter_dir(name))
+
+    def save(self, policy, tokenizer, optimizer, rng, gen):
+        """One more round done: the checkpoint (the chain's base hashed once, on the first)."""
+        self.state["done"] += 1
+        if self.chain is not None and self.rank == 0:
+            self.chain["base_sha256"] = self.chain["base_sha256"] or lora.weights_sha256(self.chain["base"])
+        save_checkpoint(self.ckpt_dir, policy, tokenizer, optimizer, rng, gen, dict(self.state, config=self.config),
+                        self.rank, self.chain)
+        fsdp.trim_host_memory()  # the checkpoint's serialized copies (gigabytes for a real model)

@@ -25,14 +25,12 @@ Left out: vLLM-speed generation, tensor parallelism, CPU offload,
 asynchronous rollouts, learning-rate schedules beyond warm-up.
 """
 
-import json
 import os
 import random
 import sys
 import time
 
 import torch
-import torch.distributed as dist
 
 import checkpoint
 import configurator
@@ -138,75 +136,30 @@ def main():
     width = Qwen2Config.from_json(os.path.join(lora.base_dir(model_dir), "config.json")).hidden_size if model_dir else \
         toyagent.BACKBONE["hidden_size"]  # decides "auto"'s dtype on CPU (fsdp.device_and_dtype)
     rank, world_size, dev, dt = fsdp.setup(device, dtype, width)
-    master = rank == 0
-    ckpt_dir, metrics_path = os.path.join(out_dir, "checkpoint"), os.path.join(out_dir, "metrics.jsonl")
-    if resume:
-        checkpoint.check_resume(ckpt_dir, config, world_size, RESUME_MAY_CHANGE)
-    else:
-        checkpoint.check_run_dir(out_dir, overwrite)
-    ppo_updates = questions_per_step // ppo_mini_batch
-    configurator.check_ranks(config, world_size, ppo_updates)
+    run = checkpoint.Run(out_dir, config, rank, world_size, RESUME_MAY_CHANGE)  # refuses a bad out_dir or resume
+    configurator.check_ranks(config, world_size, questions_per_step // ppo_mini_batch)
     configurator.check_compile(compile, dev, world_size)
     checkpoint.barrier()  # every rank has checked before any rank writes
 
     # -----------------------------------------------------------------------------------------
-    # setup: data, the policy and the KL term's model, optimizer, random state (or a checkpoint)
-    start_model = model_dir or os.path.join(world_dir, "backbone")  # a checkpoint or a policy folder (lora.py)
-    if not (model_dir and index_dir and train_file and test_file):
-        if master:
-            toyagent.ensure(world_dir, world_seed, top_k)
-        checkpoint.barrier()
-    index = load_index(index_dir or os.path.join(world_dir, "index"))
-    train = read_questions(train_file or os.path.join(world_dir, "train.jsonl"))
-    test = read_questions(test_file or os.path.join(world_dir, "test.jsonl"), test_limit)
-    tokenizer = Tokenizer(os.path.join(lora.base_dir(start_model), "tokenizer.json"))
-    configurator.check_context(config, Qwen2Config.from_json(os.path.join(lora.base_dir(start_model), "config.json")),
-                               tokenizer, max((q["question"] for q in train + test), key=len))
+    # setup: data, the policy, its optimizer, random state (or all of it from a checkpoint)
+    start_model, index, train, test, tokenizer = load_world(rank)
     rng = random.Random(seed)  # question order, identical on every rank
     # rollout sampling, its own stream per rank: seed * 1000 + rank keeps seeds' streams apart up to 1,000 ranks
     gen = torch.Generator(device=dev).manual_seed(seed * 1000 + rank)
     torch.manual_seed(seed)  # LoRA initialisation (this RNG's state is checkpointed: exact resume)
-    if not resume and master:
-        checkpoint.claim_run_dir(out_dir)
-    checkpoint.barrier()
     # float32 weights; sharded over the ranks (fsdp.py) with compute in dt when distributed or dt is
     # not float32 (mixed precision: float32 master weights and AdamW state, bfloat16 compute)
-    policy_dir = checkpoint.recover(ckpt_dir, rank) if resume else start_model
-    policy = lora.load_policy(policy_dir, dev, torch.float32)[0]  # tokenizer above
-    # a LoRA run's policy is its base and the adapters merged into it, in order (lora.save_policy)
-    chain = lora.read_chain(policy_dir) if grpo_lora_rank else None
-    if dist.is_initialized():
-        fsdp.shard(policy, dt)
-
-    def kl_start():
-        """The KL term's model as the run starts it (kl_policy "round": the policy's copy each round)."""
-        m = lora.load_policy(start_model, dev, torch.float32)[0]
-        if dist.is_initialized():
-            fsdp.shard(m, dt)
-        return m
-    kl_model = None  # loaded by the first GRPO round (a run resumed into an OFSD round needs none)
+    policy = fsdp.wrap(run.load_policy(start_model, dev, lora_chain=grpo_lora_rank > 0), dt)
     policy.checkpoint_layers = activation_checkpointing
     # full fine-tuning's AdamW, its moments kept across rounds; a LoRA run makes one per round instead
     optimizer = None if grpo_lora_rank else torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
-    if resume:
-        state = checkpoint.load_checkpoint(ckpt_dir, policy, optimizer, rank, rng, gen)
-        if master:  # the rows a killed round wrote after its last checkpoint go; they are redone
-            checkpoint.keep_first_lines(metrics_path, state["metrics_lines"])
-    else:  # rounds finished, GRPO steps, evaluation rows, lines in metrics.jsonl, ranks
-        state = dict(done=0, step=0, results=[], metrics_lines=0, world_size=world_size)
+    run.restore(policy, optimizer, rng, gen)
+    kl = KLModel(start_model, dev, dt)  # the KL term's model, loaded by the first GRPO round that needs it
     # the task as every rollout and evaluation runs it, then the sampling of the training rollouts
     protocol = dict(max_turns=max_turns, max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens, top_k=top_k,
                     rollout_rows=rollout_rows, search_workers=search_workers, compile=compile)
     rollout_args = dict(protocol, temperature=temperature, top_p=top_p)
-
-    def record(row, line):
-        """One JSON line in metrics.jsonl (none when row is None) and one printed line, on rank 0."""
-        if master:
-            if row is not None:
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-                state["metrics_lines"] += 1
-            print(line, flush=True)
 
     def sample_questions(n):
         """n training questions (the same on every rank), then this rank's share."""
@@ -216,79 +169,114 @@ def main():
     # the rounds: start, then (GRPO, OFSD) per iteration; each is evaluated and checkpointed
     rounds = ("grpo", "ofsd") if ofsd_rounds else ("grpo",)
     schedule = [("start", 0)] + [(kind, it) for it in range(iterations) for kind in rounds]
-    for r in range(state["done"], len(schedule)):
+    for r in range(run.state["done"], len(schedule)):
         kind, it = schedule[r]
         t0, row = time.time(), dict(round=r, after=kind, iteration=it)
         if kind == "grpo":
-            if grpo_lora_rank:  # a fresh adapter; the KL term's model is the policy with it off (None)
-                adapter = lora.attach(policy, grpo_lora_rank, grpo_lora_alpha)
-                fsdp.broadcast(adapter)
-                round_optimizer = torch.optim.AdamW(adapter, lr=grpo_lora_lr, weight_decay=0.0)
-            else:
-                if kl_model is None:  # an OFSD round before this one let it go
-                    kl_model = kl_start()
-                if kl_policy == "round":
-                    fsdp.copy_weights(kl_model, policy)
-                round_optimizer = optimizer
+            adapter, round_optimizer = kl.begin_grpo_round(policy, optimizer)
             grpo.grpo_round(
-                policy, kl_model, round_optimizer, tokenizer, index, lambda: sample_questions(questions_per_step),
-                steps=grpo_steps, first_step=state["step"], lr=grpo_lora_lr if grpo_lora_rank else lr,
-                warmup_steps=warmup_steps,
-                group_size=group_size, ppo_updates=ppo_updates,
+                policy, kl.model, round_optimizer, tokenizer, index, lambda: sample_questions(questions_per_step),
+                steps=grpo_steps, first_step=run.state["step"], lr=grpo_lora_lr if grpo_lora_rank else lr,
+                warmup_steps=warmup_steps, group_size=group_size, ppo_updates=questions_per_step // ppo_mini_batch,
                 micro_batch=micro_batch, clip_ratio=clip_ratio, kl_coef=kl_coef, entropy_coef=entropy_coef,
                 max_grad_norm=max_grad_norm, rollout_args=rollout_args, generator=gen,
-                log=lambda m: record(dict(kind="grpo_step", iteration=it, **m,  # what each rank holds:
-                                          state_bytes=fsdp.state_bytes(policy, round_optimizer, kl_model)),
-                                 grpo_line(m, it)))
-            state["step"] += grpo_steps
-            if grpo_lora_rank:  # saved in PEFT's format, merged: the next round starts from the merged policy
-                chain["adapters"].append(os.path.join(out_dir, "adapters", f"{r:02d}-grpo"))
-                lora.merge_trained(policy, adapter, chain["adapters"][-1])
+                log=lambda m: run.record(dict(kind="grpo_step", iteration=it, **m,  # what each rank holds:
+                                              state_bytes=fsdp.state_bytes(policy, round_optimizer, kl.model)),
+                                         grpo_line(m, it)))
+            run.state["step"] += grpo_steps
+            if adapter is not None:  # saved in PEFT's format, merged: the next round starts from the merged policy
+                run.add_adapter(f"{r:02d}-grpo")
+                lora.merge_trained(policy, adapter, run.chain["adapters"][-1])
         elif kind == "ofsd":
-            # the round needs neither the KL model nor GRPO's gradients and AdamW moments: they go for
-            # its length (for the real 0.5B, 8 GB of float32); the moments to a file and back (a file that
-            # goes with this checkpoint), the KL model comes again at the next GRPO round
-            kl_model = None
-            with fsdp.parked(optimizer, os.path.join(ckpt_dir, f"parked-optimizer{rank}.pt")):
-                record(None, f"ofsd | it {it} | mining {ofsd_questions} questions x {group_size}")
-                pairs = ofsd.mine_round(policy, tokenizer, index, sample_questions(ofsd_questions),
-                                        group_size=group_size, rollout_args=rollout_args, generator=gen,
-                                        ofsd_students=ofsd_students)
-                gap = teacher_gap.before_round(policy, tokenizer, index, pairs, rollout_args, kl_chunk, ofsd_context)
-                m = ofsd.distill(
-                    policy, tokenizer, pairs, ofsd_loss=ofsd_loss, kl_weight=ofsd_kl_weight, lora_rank=lora_rank,
-                    lora_alpha=lora_alpha, lora_lr=lora_lr, lora_epochs=lora_epochs, ofsd_micro_batch=ofsd_micro_batch,
-                    tau_clip=tau_clip, ofsd_clip=ofsd_clip, ofsd_context=ofsd_context, ofsd_positions=ofsd_positions,
-                    max_grad_norm=max_grad_norm, kl_chunk=kl_chunk,
-                    seed=seed * 7919 + r,  # the pairs' order, per seed and round (the prime keeps them apart)
-                    log=lambda epoch, n, loss: record(
-                        None, f"ofsd | it {it} | epoch {epoch} | step {n:4d} | loss {loss:.5f}"),
-                    adapter_dir=os.path.join(out_dir, "adapters", f"{r:02d}-ofsd") if chain else None)
-                m.update(gap, **teacher_gap.after_round(policy, tokenizer, index, pairs, rollout_args))
-            if chain and m["losses"]:  # a round that mined no pair trained no adapter
-                chain["adapters"].append(os.path.join(out_dir, "adapters", f"{r:02d}-ofsd"))
-            row.update({k: v for k, v in m.items() if k != "losses"})  # counts, KL, diagnostics
-            record(dict(kind="ofsd_round", **row, losses=m["losses"]), ofsd_line(row, m))
+            kl.release()  # the round needs neither the KL model nor GRPO's gradients and AdamW moments
+            with fsdp.parked(optimizer, os.path.join(run.ckpt_dir, f"parked-optimizer{rank}.pt")):
+                row.update(ofsd_round(policy, tokenizer, index, sample_questions(ofsd_questions), run, r, it,
+                                      rollout_args, gen))
         with fsdp.gathered(policy):  # each rank its share of the test questions, weights gathered once
             results = evaluate(policy, tokenizer, index, test[rank::world_size], batch=eval_batch, **protocol)
-        summary = summarize(fsdp.all_ranks(results), "type")
-        row.update(summary=summary, grpo_steps=state["step"], seconds=time.time() - t0)
-        state["results"].append(row)
-        record(dict(kind="eval", **row), eval_line(row))
-        if master:
-            checkpoint.write_atomic(os.path.join(out_dir, "curves.svg"), curves_svg({out_dir: [state["results"]]}))
-        state["done"] = r + 1
-        if chain and master:  # the base's hash once, on the first checkpoint
-            chain["base_sha256"] = chain["base_sha256"] or lora.weights_sha256(chain["base"])
-        checkpoint.save_checkpoint(ckpt_dir, policy, tokenizer, optimizer, rng, gen, dict(state, config=config), rank,
-                                   chain)
-        fsdp.trim_host_memory()  # the checkpoint's serialized copies (gigabytes for a real model)
+        row.update(summary=summarize(fsdp.all_ranks(results), "type"), grpo_steps=run.state["step"],
+                   seconds=time.time() - t0)
+        run.state["results"].append(row)
+        run.record(dict(kind="eval", **row), eval_line(row))
+        if rank == 0:
+            checkpoint.write_atomic(os.path.join(out_dir, "curves.svg"), curves_svg({out_dir: [run.state["results"]]}))
+        run.save(policy, tokenizer, optimizer, rng, gen)
 
-    if master:
-        table = results_table(state["results"])
+    if rank == 0:
+        table = results_table(run.state["results"])
         print("\n" + table)
         checkpoint.write_atomic(os.path.join(out_dir, "results.md"), table + "\n")
     fsdp.teardown()
+
+
+# ---------------------------------------------------------------------------------------------
+# the steps main() names: the world, the KL term's model, an OFSD round
+
+def load_world(rank):
+    """(start model folder, BM25 index, train and test questions, tokenizer): the files named, else
+    the toy world (written on first use, by rank 0)."""
+    start_model = model_dir or os.path.join(world_dir, "backbone")  # a checkpoint or a policy folder (lora.py)
+    if not (model_dir and index_dir and train_file and test_file):
+        if rank == 0:
+            toyagent.ensure(world_dir, world_seed, top_k)
+        checkpoint.barrier()
+    index = load_index(index_dir or os.path.join(world_dir, "index"))
+    train = read_questions(train_file or os.path.join(world_dir, "train.jsonl"))
+    test = read_questions(test_file or os.path.join(world_dir, "test.jsonl"), test_limit)
+    tokenizer = Tokenizer(os.path.join(lora.base_dir(start_model), "tokenizer.json"))
+    configurator.check_context({k: globals()[k] for k in config_keys},
+                               Qwen2Config.from_json(os.path.join(lora.base_dir(start_model), "config.json")),
+                               tokenizer, max((q["question"] for q in train + test), key=len))
+    return start_model, index, train, test, tokenizer
+
+
+class KLModel:
+    """The GRPO KL term's model and what a GRPO round trains. Full fine-tuning: a second copy of the
+    policy (kl_policy "round": the weights the round starts from; "initial": the start model), loaded
+    when a round first needs it and let go for an OFSD round (for the real 0.5B, 2.5 GB of float32).
+    GRPO through LoRA: no copy (`model` None): the policy with its fresh adapter off is the round's start."""
+
+    def __init__(self, start_model, device, compute_dtype):
+        self.start_model, self.device, self.compute_dtype, self.model = start_model, device, compute_dtype, None
+
+    def begin_grpo_round(self, policy, optimizer):
+        """(the round's LoRA adapter or None, the round's optimizer), the KL model ready."""
+        if grpo_lora_rank:  # a fresh adapter; the KL term's model is the policy with it off (None)
+            adapter = lora.attach(policy, grpo_lora_rank, grpo_lora_alpha)
+            fsdp.broadcast(adapter)
+            return adapter, torch.optim.AdamW(adapter, lr=grpo_lora_lr, weight_decay=0.0)
+        if self.model is None:  # the first round, or an OFSD round before this one let it go
+            self.model = fsdp.wrap(lora.load_policy(self.start_model, self.device, torch.float32)[0],
+                                   self.compute_dtype)
+        if kl_policy == "round":
+            fsdp.copy_weights(self.model, policy)
+        return None, optimizer
+
+    def release(self):
+        self.model = None
+
+
+def ofsd_round(policy, tokenizer, index, questions, run, r, it, rollout_args, gen):
+    """Mine pairs from `questions`, measure the teacher's headroom, distil through LoRA and merge,
+    measure again: the round's metrics (its losses in metrics.jsonl, not in the results)."""
+    run.record(None, f"ofsd | it {it} | mining {ofsd_questions} questions x {group_size}")
+    pairs = ofsd.mine_round(policy, tokenizer, index, questions, group_size=group_size, rollout_args=rollout_args,
+                            generator=gen, ofsd_students=ofsd_students)
+    gap = teacher_gap.before_round(policy, tokenizer, index, pairs, rollout_args, kl_chunk, ofsd_context)
+    m = ofsd.distill(
+        policy, tokenizer, pairs, ofsd_loss=ofsd_loss, kl_weight=ofsd_kl_weight, lora_rank=lora_rank,
+        lora_alpha=lora_alpha, lora_lr=lora_lr, lora_epochs=lora_epochs, ofsd_micro_batch=ofsd_micro_batch,
+        tau_clip=tau_clip, ofsd_clip=ofsd_clip, ofsd_context=ofsd_context, ofsd_positions=ofsd_positions,
+        max_grad_norm=max_grad_norm, kl_chunk=kl_chunk,
+        seed=seed * 7919 + r,  # the pairs' order, per seed and round (the prime keeps them apart)
+        log=lambda epoch, n, loss: run.record(None, f"ofsd | it {it} | epoch {epoch} | step {n:4d} | loss {loss:.5f}"),
+        adapter_dir=run.adapter_dir(f"{r:02d}-ofsd"))
+    m.update(gap, **teacher_gap.after_round(policy, tokenizer, index, pairs, rollout_args))
+    if run.chain is not None and m["losses"]:  # a round that mined no pair trained no adapter
+        run.add_adapter(f"{r:02d}-ofsd")
+    row = dict(round=r, after="ofsd", iteration=it, **{k: v for k, v in m.items() if k != "losses"})
+    run.record(dict(kind="ofsd_round", **row, losses=m["losses"]), ofsd_line(row, m))
+    return {k: v for k, v in m.items() if k != "losses"}  # counts, KL, diagnostics
 
 
 # ---------------------------------------------------------------------------------------------

@@ -137,6 +137,13 @@ def shard(model, compute_dtype):
     return model
 
 
+def wrap(model, compute_dtype):
+    """The model as a process holds it: sharded when a process group is up (`shard`), else as it is."""
+    if dist.is_initialized():
+        shard(model, compute_dtype)
+    return model
+
+
 def _units(model):
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
