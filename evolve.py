@@ -12,8 +12,8 @@
     print the results table, one row per evaluation
 
 The method, and where this code departs from Search-R1 and why, is METHOD.md. With no arguments
-it trains on the built-in toy world (toyworld.py; written on first use, with the backbone that
-toyagent.py ships for world seed 0) and prints a results table. Any constant below can be
+it trains on the built-in toy world (worlds/toyworld.py; written on first use, with the backbone that
+worlds/toyagent.py ships for world seed 0) and prints a results table. Any constant below can be
 overridden as --key=value; `--resume` continues a killed run from its last checkpoint.
 Real-scale settings (the anchor's values) are in the comments and in docs/real-scale.md.
 
@@ -42,7 +42,7 @@ from model import Qwen2Config
 from tokenizer import Tokenizer
 import ofsd
 import teacher_gap
-import toyagent
+from worlds import toyagent
 from retriever import load_index
 
 # ---------------------------------------------------------------------------------------------

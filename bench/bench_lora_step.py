@@ -36,7 +36,7 @@ def child(args):
     import lora
     import rollout as R
     from model import Qwen2Config, load
-    from toyworld import read_jsonl
+    from worlds.toyworld import read_jsonl
     width = Qwen2Config.from_json(os.path.join(args.checkpoint, "config.json")).hidden_size
     _, _, dev, dt = fsdp.setup("cpu", args.dtype, width)
     policy, tok = load(args.checkpoint, dev, torch.float32)

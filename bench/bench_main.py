@@ -21,6 +21,17 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def world_command(repo):
+    """The command that writes a revision's toy world and backbone: worlds/toyagent.py now, toyagent.py at
+    the top level before it (with assets/toy_backbone shipped, or built), toyworld.py before that."""
+    if os.path.isfile(os.path.join(repo, "worlds", "toyagent.py")):
+        return ["-m", "worlds.toyagent", "--shipped"]
+    shipped = ["--shipped"] if os.path.isdir(os.path.join(repo, "assets", "toy_backbone")) else []
+    if "def main" in open(os.path.join(repo, "toyagent.py")).read():
+        return ["toyagent.py", *shipped]
+    return ["toyworld.py", *shipped]
+
+
 def timed(cmd, cwd):
     t0 = time.time()
     p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
@@ -44,10 +55,7 @@ def main():
     try:
         for name, repo in ((f"base ({args.base})", base_dir), ("this checkout", ROOT)):
             world = os.path.join(tmp, f"world_{len(rows)}")
-            # the world and backbone command: toyagent.py now, toyworld.py in revisions before it
-            script = "toyagent.py" if "def main" in open(os.path.join(repo, "toyagent.py")).read() else "toyworld.py"
-            setup, _ = timed([sys.executable, script, world] + (["--shipped"] if os.path.isdir(
-                os.path.join(repo, "assets", "toy_backbone")) else []), repo)
+            setup, _ = timed([sys.executable, *world_command(repo), world], repo)
             slice_args = [f"--world_dir={world}", f"--out_dir={os.path.join(tmp, f'run_{len(rows)}')}",
                           "--iterations=1", f"--grpo_steps={args.grpo_steps}",
                           f"--ofsd_questions={args.ofsd_questions}", f"--test_limit={args.test_limit}"]

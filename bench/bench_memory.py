@@ -138,7 +138,7 @@ def main():
     models += [(os.path.basename(args.checkpoint.rstrip("/")), args.checkpoint)] if args.checkpoint else []
     for name, path in models:
         if not os.path.isdir(path):
-            subprocess.run([sys.executable, "toyagent.py", "cache/toyworld", "--shipped"], cwd=ROOT, check=True)
+            subprocess.run([sys.executable, "-m", "worlds.toyagent", "cache/toyworld", "--shipped"], cwd=ROOT, check=True)
         for ranks, P, held, f in measured_state(path):
             print(f"| {name} | {P / 1e6:.1f}M | {ranks} | {held['params'] / 1e6:.2f} | {held['grads'] / 1e6:.2f} | "
                   f"{held['optimizer'] / 1e6:.2f} | {held['reference'] / 1e6:.2f} | {f['params'] / 1e6:.2f} / "

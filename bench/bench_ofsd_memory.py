@@ -48,7 +48,7 @@ def child(args):
     import rollout as R
     from common import made_trajectories, peak
     from model import load
-    from toyworld import read_jsonl
+    from worlds.toyworld import read_jsonl
     t0 = time.time()
     policy, tok = load(args.checkpoint, "cpu", torch.float32)
     kl_model = load(args.checkpoint, "cpu", torch.float32)[0].eval()

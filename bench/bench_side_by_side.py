@@ -53,7 +53,7 @@ def child(args):
     from common import made_trajectories  # bench/common.py: the same trajectories for every code version
     from model import load
     from retriever import load_index
-    from toyworld import read_jsonl
+    from worlds.toyworld import read_jsonl
     model, tok = load(args.checkpoint, "cpu", getattr(torch, args.dtype))
     index = load_index(os.path.join(args.world, "index"))
     questions = [q["question"] for q in read_jsonl(os.path.join(args.world, "train.jsonl"))[:args.questions]]

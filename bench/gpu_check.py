@@ -271,7 +271,7 @@ def profile_row(ours, tok, b, prompt_len, shape, steps=16):
 
 def loop_rows(tmp, checkpoint):
     world = os.path.join(tmp, "toyworld")
-    subprocess.run([sys.executable, "toyagent.py", world, "--shipped"], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "worlds.toyagent", world, "--shipped"], cwd=ROOT, check=True, capture_output=True)
     # a policy that answers some questions right, so the OFSD round mines pairs and distils: the real
     # checkpoint when given (2 turns of 200 tokens, 500-token observations), else the toy backbone at
     # the toy world's own protocol (evolve.py's defaults)

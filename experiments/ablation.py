@@ -126,7 +126,7 @@ def main():
     args = ap.parse_args()
     t0 = time.time()
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, "toyagent.py", "cache/toyworld", "--shipped"], cwd=ROOT, check=True)  # once
+    subprocess.run([sys.executable, "-m", "worlds.toyagent", "cache/toyworld", "--shipped"], cwd=ROOT, check=True)  # once
     os.makedirs(os.path.join(ROOT, args.out), exist_ok=True)
     variants = [(v.partition(":")[0], [a for a in v.partition(":")[2].split(",") if a]) for v in args.variants]
     seeds = args.seeds.split(",")

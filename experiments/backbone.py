@@ -19,11 +19,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from evolve import DEFAULTS  # noqa: E402  (the loop's settings as written: the backbone is measured with them)
 import retriever  # noqa: E402
-import toyagent  # noqa: E402
+from worlds import toyagent  # noqa: E402
 from eval import evaluate, summarize  # noqa: E402  (the project's greedy evaluation)
 from model import load  # noqa: E402
 from rollout import exact_match, rollout  # noqa: E402
-from toyworld import TYPES, read_jsonl  # noqa: E402
+from worlds.toyworld import TYPES, read_jsonl  # noqa: E402
 
 
 def backbone_stats(world_dir, *, group_size, temperature, max_turns, max_turn_tokens, max_obs_tokens, top_k, seed):

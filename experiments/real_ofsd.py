@@ -62,7 +62,7 @@ import fsdp  # noqa: E402
 import ofsd  # noqa: E402
 import retriever  # noqa: E402
 import teacher_gap  # noqa: E402
-import toyagent  # noqa: E402
+from worlds import toyagent  # noqa: E402
 from model import Qwen2Config  # noqa: E402
 import lora  # noqa: E402
 

@@ -35,7 +35,7 @@ from eval import read_questions  # noqa: E402
 from evolve import DEFAULTS  # noqa: E402  (the loop's settings as written, whatever main() did since)
 import fsdp  # noqa: E402
 import retriever  # noqa: E402
-import toyagent  # noqa: E402
+from worlds import toyagent  # noqa: E402
 from model import Qwen2Config, load  # noqa: E402
 from ofsd import mine  # noqa: E402
 from teacher_gap import greedy_scores  # noqa: E402

@@ -188,7 +188,7 @@ def test_real_checkpoint_runs_the_whole_loop(tmp_path):
     import subprocess
     import sys
 
-    import wikiworld
+    from worlds import wikiworld
     from test_evolve import ROOT
     world = str(tmp_path / "w")
     wikiworld.write_wiki_world(world)  # FanOutQA's dev sub-questions: a test set, used for both here

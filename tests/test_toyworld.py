@@ -1,4 +1,4 @@
-"""toyworld.py and toyagent.py: determinism, disjoint splits, answerability, the scripted agent, the backbone."""
+"""worlds/toyworld.py and worlds/toyagent.py: determinism, disjoint splits, answerability, the scripted agent, the backbone."""
 
 import filecmp
 import json
@@ -13,8 +13,8 @@ from model import load
 import ofsd
 import retriever
 import rollout
-import toyagent
-import toyworld
+from worlds import toyagent
+from worlds import toyworld
 
 
 @pytest.fixture(scope="module")

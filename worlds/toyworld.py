@@ -23,7 +23,7 @@ Train and test share no subject entity; the test split is the built-in benchmark
 
 Left out: natural-language variety (templates are fixed), numeric-reasoning questions.
 
-    python toyworld.py OUT_DIR [--seed N]        # the world alone; its backbone: python toyagent.py
+    python -m worlds.toyworld OUT_DIR [--seed N]   # the world alone; its backbone: python -m worlds.toyagent
 """
 
 import argparse

@@ -25,7 +25,7 @@ top_k gets a new backbone.
 Left out: natural-language variety (templates are fixed), a backbone for real-scale runs (use a
 Qwen2.5 checkpoint).
 
-    python toyagent.py WORLD_DIR [--seed N] [--shipped]     # the world and its backbone (built, or shipped)
+    python -m worlds.toyagent WORLD_DIR [--seed N] [--shipped]     # the world and its backbone (built, or shipped)
     python experiments/backbone.py [--temperature T]        # the backbone's targets, at the loop's settings
 """
 
@@ -51,7 +51,7 @@ import retriever
 from rollout import INFO_CLOSE, INFO_OPEN, INSTRUCTION, INVALID, exact_match, extract_answer, make_prompt, observation
 from ofsd import FULL
 from checkpoint import write_atomic
-from toyworld import read_jsonl, stamped, write_world
+from worlds.toyworld import read_jsonl, stamped, write_world
 
 # backbone (tiny Qwen2) and its warm start
 BACKBONE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
@@ -73,7 +73,7 @@ STAMP = "toyworld.json"  # in a backbone folder: the build's version, seed, step
 # the backbone for world seed 0 (top_k 3), shipped so that every user starts from the same weights (a
 # build is deterministic on one machine, not across machines): version 4's shipped warm start, then
 # reading_phase on the project's 2-core machine (docs/toyworld-log.md, 2026-12-01)
-SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "toy_backbone")
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "toy_backbone")
 SHIPPED_SHA256 = {
     "config.json": "2b183ca0791fe937707c6911bae12a33b75b3a4cbb33fabe0b87db0e2d6bc86b",
     "model.safetensors": "95d12cdcdab4e501ab7efd29545628254cf0ac0152adcc3f14939ef278270078",
@@ -364,7 +364,7 @@ def install_shipped(backbone):
         got = file_sha256(os.path.join(SHIPPED, name))
         if got != want:
             raise ValueError(f"{os.path.join(SHIPPED, name)}: sha256 {got}, expected {want} (a damaged "
-                             "checkout? `git checkout assets/` restores it)")
+                             "checkout? `git checkout worlds/toy_backbone` restores it)")
     tmp = backbone.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(SHIPPED, tmp)
