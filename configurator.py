@@ -16,12 +16,20 @@ missing paths before the script writes anything, each error naming its key. evol
     python eval.py --help
 """
 
+import dataclasses
 import math
 import os
 
 import ofsd
 from clipped_kl import CLIPS
-from rollout import make_prompt, max_response_tokens
+from rollout import RolloutConfig, make_prompt, max_response_tokens
+
+
+def group(cls, config, **given):
+    """A settings dataclass (rollout.RolloutConfig, grpo.GRPOConfig, ofsd.OFSDConfig) filled from
+    `config` by field name, `given` first: the settings a round takes travel as one group."""
+    return cls(**{f.name: given[f.name] if f.name in given else config[f.name]
+                  for f in dataclasses.fields(cls) if f.name in given or f.name in config})
 
 
 def settings(namespace):
@@ -153,8 +161,7 @@ def check_context(cfg, model_config, tokenizer, longest_question):
     privileged text (ofsd.max_context_tokens) and the response. Refused before any weights or caches
     are allocated."""
     prompt = len(tokenizer.encode(tokenizer.chat_prompt(make_prompt(longest_question))))
-    response = max_response_tokens(tokenizer, max_turns=cfg["max_turns"], max_turn_tokens=cfg["max_turn_tokens"],
-                                   max_obs_tokens=cfg["max_obs_tokens"])
+    response = max_response_tokens(tokenizer, group(RolloutConfig, cfg))
     view = f"teacher view ({cfg['ofsd_context']})" if cfg["ofsd_rounds"] else "trajectory"
     extra = ofsd.max_context_tokens(tokenizer, cfg["ofsd_context"], response, cfg["group_size"]) \
         if cfg["ofsd_rounds"] else 0

@@ -11,6 +11,7 @@ Left out: sampling-based metrics (pass@k), LLM-as-judge or F1 scoring.
     python eval.py --model_dir=DIR --index_dir=DIR --data=nq_test.jsonl,hotpotqa_dev.jsonl [--limit=N] [--show=2]
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -21,7 +22,7 @@ from fsdp import device_and_dtype
 import lora
 from model import Qwen2Config
 from retriever import load_index
-from rollout import SEARCH_R1_SETTINGS, exact_match, rollout
+from rollout import SEARCH_R1, RolloutConfig, exact_match, rollout
 
 # ---------------------------------------------------------------------------------------------
 # settings of `python eval.py`, overridable as --key=value (configurator.py; --help lists them)
@@ -33,10 +34,10 @@ show = 0                       # print this many trajectories per file
 out_file = "eval_results.jsonl"  # per-question results, JSON lines
 batch = 160                    # questions decoded at once: a greedy batch lasts as long as its longest row,
                                # so few large batches; memory grows with it (docs/benchmarks.md)
-max_turns = SEARCH_R1_SETTINGS["max_turns"]              # searching turns before the answer-only turn
-max_turn_tokens = SEARCH_R1_SETTINGS["max_turn_tokens"]  # per-turn response cap
-max_obs_tokens = SEARCH_R1_SETTINGS["max_obs_tokens"]    # observation cap
-top_k = SEARCH_R1_SETTINGS["top_k"]                      # documents per search
+max_turns = SEARCH_R1.max_turns              # searching turns before the answer-only turn
+max_turn_tokens = SEARCH_R1.max_turn_tokens  # per-turn response cap
+max_obs_tokens = SEARCH_R1.max_obs_tokens    # observation cap
+top_k = SEARCH_R1.top_k                      # documents per search
 compile = False                # decoding steps through torch.compile as CUDA graphs (one process on CUDA; generate.compiled)
 device = "auto"                # auto (CUDA when there is one), cpu, cuda, cuda:N
 dtype = "auto"                 # auto: bfloat16 on CUDA, and for a real checkpoint on a CPU with native bfloat16
@@ -44,22 +45,42 @@ dtype = "auto"                 # auto: bfloat16 on CUDA, and for a real checkpoi
 DEFAULTS = configurator.settings(globals())
 
 
-def evaluate(model, tokenizer, index, questions, *, batch, max_turns, max_turn_tokens, max_obs_tokens, top_k,
-             rollout_rows=0, search_workers=1, compile=False):
-    """Greedy rollouts for FlashRAG-format questions -> one result dict per question."""
-    out = []
+def evaluate(model, tokenizer, index, questions, cfg, batch):
+    """Greedy rollouts (cfg: a RolloutConfig, its sampling ignored), `batch` questions at a time, for
+    FlashRAG-format questions -> one result dict per question."""
+    out, greedy = [], dataclasses.replace(cfg, temperature=0.0, top_p=1.0)
     for s in range(0, len(questions), batch):
         part = questions[s:s + batch]
-        trajs = rollout(model, tokenizer, index, [q["question"] for q in part], 1, max_turns=max_turns,
-                        max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens, top_k=top_k,
-                        temperature=0.0, top_p=1.0, generator=None, rollout_rows=rollout_rows,
-                        search_workers=search_workers, compile=compile)
+        trajs = rollout(model, tokenizer, index, [q["question"] for q in part], 1, greedy)
         for q, t in zip(part, trajs):
             out.append(dict(question=q["question"], golden_answers=q["golden_answers"], type=q.get("type"),
                             answer=t.answer, em=exact_match(t.answer, q["golden_answers"]),
                             searches=t.n_search, formatted=t.answer is not None,
                             trajectory=t.render(tokenizer)))
     return out
+
+
+def grpo_line(m, it):
+    return (f"grpo | it {it} | step {m['step']:4d} | reward {m['reward']:.3f} | loss {m['loss']:+.4f} | "
+            f"kl {m['kl']:.5f} | clip {m['clip_frac']:.3f} | entropy {m['entropy']:.3f} | "
+            f"searches {m['searches']:.2f} | tokens {m['tokens']:6d} | {m['seconds']:.1f}s")
+
+
+def ofsd_line(row, m):
+    line = f"ofsd | it {row['iteration']} | pairs {m['pairs']} ({m['incorrect_students']} with an incorrect student)"
+    if m.get("nll_before") is not None and m["losses"]:  # tau_ref's NLL in the student view, the rft control's loss
+        line += f" | nll {m['nll_before']:.4f} -> {m['nll_after']:.4f}"
+    if "loss_before" in m:  # what distillation did: the loss, the true KL, the clip, P_student(teacher's top token)
+        line += (f" | loss {m['loss_before']:.5f} -> {m['loss_after']:.5f} | true KL {m['kl_true_before']:.4f} -> "
+                 f"{m['kl_true_after']:.4f} | clipped {m['clip_frac_before']:.2f} | P(top) {m['p_top_before']:.3f}"
+                 f" -> {m['p_top_after']:.3f}")
+    if "teacher_em" in m:  # the diagnostics: headroom (teacher vs student view) and effect on its questions
+        line += f" | teacher EM {m['teacher_em']:.3f} student EM {m['student_em']:.3f}"
+        if m["teacher_em_incorrect"] is not None:  # the pairs distillation is meant for
+            line += (f" (incorrect students: {m['teacher_em_incorrect']:.3f} / "
+                     f"{m['mined_em_before_incorrect']:.3f})")
+        line += f" | disagree {m['disagree']:.3f} | mined EM {m['mined_em_before']:.3f} -> {m['mined_em_after']:.3f}"
+    return line
 
 
 def summarize(results, key=None):
@@ -206,9 +227,7 @@ def main():
     index = load_index(cfg["index_dir"])
     table, everything = [], []
     for path, qs in data.items():
-        res = evaluate(model, tok, index, qs, batch=cfg["batch"], max_turns=cfg["max_turns"],
-                       max_turn_tokens=cfg["max_turn_tokens"], max_obs_tokens=cfg["max_obs_tokens"], top_k=cfg["top_k"],
-                       compile=cfg["compile"])
+        res = evaluate(model, tok, index, qs, configurator.group(RolloutConfig, cfg), cfg["batch"])
         name = os.path.splitext(os.path.basename(path))[0]
         for r in res[:cfg["show"]]:
             print(f"\n=== {name}: {r['question']}  gold={r['golden_answers']}  EM={r['em']:.0f}\n{r['trajectory']}")

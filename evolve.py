@@ -34,13 +34,16 @@ import torch
 
 import checkpoint
 import configurator
-from eval import curves_svg, eval_line, evaluate, read_questions, results_table, summarize
+from eval import curves_svg, eval_line, evaluate, grpo_line, ofsd_line, read_questions, results_table, summarize
 import fsdp
 import grpo
+from grpo import GRPOConfig
 import lora
 from model import Qwen2Config
 from tokenizer import Tokenizer
 import ofsd
+from ofsd import OFSDConfig
+from rollout import RolloutConfig
 import teacher_gap
 from worlds import toyagent
 from retriever import load_index
@@ -49,79 +52,57 @@ from retriever import load_index
 # config: plain constants, overridable as --key=value            (real scale: the anchor's value)
 out_dir = "runs/toy"           # checkpoint, metrics.jsonl, results
 world_dir = "cache/toyworld"   # the toy world and its backbone, written here when missing
-model_dir = ""                 # HF Qwen2 checkpoint; "" = the toy backbone    (Qwen2.5-3B-Instruct)
-index_dir = ""                 # BM25 index; "" = the toy world's                (wiki-18 index)
-train_file = ""                # FlashRAG questions; "" = toy train.jsonl       (NQ + HotpotQA train)
-test_file = ""                 # "" = toy test.jsonl                            (the seven benchmarks)
+model_dir = ""                 # HF Qwen2 checkpoint or policy folder; "" = the toy backbone  (Qwen2.5-3B-Instruct)
+index_dir = ""                 # BM25 index; "" = the toy world's               (wiki-18 index)
+train_file = ""                # FlashRAG questions; "" = toy train.jsonl      (NQ + HotpotQA train)
+test_file = ""                 # "" = toy test.jsonl                           (the seven benchmarks)
 test_limit = 0                 # evaluate on the first N test questions; 0 = all
 iterations = 2                 # GRPO round + OFSD round pairs
 grpo_steps = 12                # GRPO optimizer steps per round (the toy's test EM levels off by ~12)
-questions_per_step = 16        # questions rolled out per GRPO step, over all ranks  (512)
-ppo_mini_batch = 8             # questions per optimizer update: questions_per_step // ppo_mini_batch
-                               # updates a step, from the second on the clip acts
-                               # (51: the anchor's 256 trajectories = 51.2 groups of 5, 10 updates)
-group_size = 5                 # G rollouts per question                      (5)
-micro_batch = 20               # trajectories per forward/backward            (memory-bound)
-lr = 2e-4                      # GRPO AdamW learning rate                     (1e-6)
-grpo_lora_rank = 0             # 0: GRPO trains every weight; r > 0: each GRPO round trains a fresh LoRA
-                               # adapter of rank r on every linear, its KL model the policy with the
-                               # adapter off, then saves it (out_dir/adapters) and merges it; the run's
-                               # checkpoint is then the base and its adapters (lora.save_policy)
+questions_per_step = 16        # questions rolled out per GRPO step, over all ranks       (512)
+ppo_mini_batch = 8             # questions per update: questions_per_step // ppo_mini_batch updates a step  (51)
+group_size = 5                 # G rollouts per question                       (5)
+micro_batch = 20               # trajectories per forward/backward             (memory-bound)
+lr = 2e-4                      # GRPO AdamW learning rate                      (1e-6)
+grpo_lora_rank = 0             # 0: GRPO trains every weight; r > 0: a fresh rank-r LoRA adapter a round, merged
 grpo_lora_alpha = 32           # that adapter's alpha
 grpo_lora_lr = 2e-3            # that adapter's AdamW learning rate (LoRA wants ~10x full fine-tuning's)
 warmup_steps = 3               # linear warm-up of the GRPO learning rate (0.285 of the run's steps)
-kl_coef = 0.001                # KL-term coefficient (k3 estimator)           (0.001)
-entropy_coef = 0.001           # entropy bonus: loss -= entropy_coef * token-mean entropy  (0.001)
-kl_policy = "round"            # the KL term's model: "round" = the policy this GRPO round started
-                               # from (after an OFSD merge, so GRPO is not pulled back across the
-                               # consolidation); "initial" = the starting model, as the anchor
-clip_ratio = 0.2               # PPO clip epsilon                             (0.2)
-max_grad_norm = 1.0            # gradient-norm clip                           (1.0)
-temperature = 1.0              # rollout sampling temperature                 (1.0)
-top_p = 1.0                    # rollout nucleus sampling                     (0.95)
-max_turns = 4                  # searching turns before the answer-only turn  (2; the toy's three-hop
-                               # questions need 3 searches and the agent's checks one more)
-max_turn_tokens = 80           # per-turn response cap                        (500)
-max_obs_tokens = 256           # observation cap                              (500)
-top_k = 3                      # documents per search                         (3)
-search_workers = 1             # BM25 worker processes per rank for a turn's searches; 1 = in-process
-                               #                                              (8+ at wiki-18 scale; docs/)
-rollout_rows = 0               # trajectories decoded at once per rank (bounds the KV cache); 0 = all
-                               #                                              (64 at 3B/7B; docs/real-scale.md)
-compile = False                # decoding steps through torch.compile as CUDA graphs (one process on CUDA; generate.compiled)
+kl_coef = 0.001                # KL-term coefficient beta (k3 estimator)      (0.001)
+entropy_coef = 0.001           # entropy bonus: loss -= entropy_coef * token-mean entropy   (0.001)
+kl_policy = "round"            # the KL term's model: "round" the round's start, "initial" the start model (the anchor's)
+clip_ratio = 0.2               # PPO clip epsilon                              (0.2)
+max_grad_norm = 1.0            # gradient-norm clip                            (1.0)
+temperature = 1.0              # rollout sampling temperature                  (1.0)
+top_p = 1.0                    # rollout nucleus sampling                      (0.95)
+max_turns = 4                  # searching turns before the answer-only turn   (2; toy three-hop questions need 3+)
+max_turn_tokens = 80           # per-turn response cap                         (500)
+max_obs_tokens = 256           # observation cap                               (500)
+top_k = 3                      # documents per search                          (3)
+search_workers = 1             # BM25 worker processes per rank for a turn's searches (8+ at wiki-18 scale)
+rollout_rows = 0               # trajectories decoded at once per rank (the KV cache); 0 = all  (64 at 3B/7B)
+compile = False                # decoding steps through torch.compile (one process on CUDA: CUDA graphs)
 ofsd_rounds = True             # False: the GRPO-only ablation (same GRPO steps, no OFSD rounds)
 ofsd_questions = 64            # questions rolled out to mine pairs per OFSD round
-ofsd_students = "any"          # "any": the paper's rule (an incorrect sibling, else a correct one);
-                               # "incorrect": only groups with an incorrect sibling give a pair
-ofsd_loss = "kl"               # what the round's adapter minimises: "kl" the teacher view's clipped forward
-                               # KL (the paper's), "nll" tau_ref's own tokens in the student view (the
-                               # rft control: the successful sibling without a teacher), "nll_kl" both
+ofsd_students = "any"          # "any": the paper's rule (else a correct sibling); "incorrect": only incorrect students
+ofsd_loss = "kl"               # "kl": the teacher view's clipped forward KL (the paper's); "nll": tau_ref's NLL (rft); "nll_kl"
 ofsd_kl_weight = 1.0           # the KL's weight beside the NLL in "nll_kl"
-lora_rank = 16                 # LoRA rank
-lora_alpha = 32                # LoRA alpha
-lora_lr = 2e-4                 # LoRA AdamW learning rate
+lora_rank = 16                 # OFSD's LoRA rank
+lora_alpha = 32                # OFSD's LoRA alpha
+lora_lr = 2e-4                 # OFSD's LoRA AdamW learning rate
 lora_epochs = 2                # passes over the round's pairs
 ofsd_micro_batch = 4           # pairs per OFSD optimizer step
 tau_clip = 0.05                # the OFSD loss's clip threshold
-ofsd_clip = "vocab"            # what tau_clip caps (clipped_kl.py): "vocab" each (position, vocabulary)
-                               # term (the paper's formula), "position" each position's KL, "none"
-ofsd_context = "full"          # what the teacher sees of tau_ref (ofsd.privileged): "full" its whole
-                               # response (the paper's), "no_answer" cut before its final answer,
-                               # "queries" its search queries only, "group_queries" every sibling's
-                               # queries, each marked correct or incorrect
-ofsd_positions = "policy"      # where the OFSD loss counts: "policy" every token tau_stu sampled (the
-                               # paper's), "queries" only the tokens of tau_stu's search queries
+ofsd_clip = "vocab"            # what tau_clip caps: "vocab" each term (the paper's), "position" each position, "none"
+ofsd_context = "full"          # the teacher's view of tau_ref: "full" (the paper's), "no_answer", "queries", "group_queries"
+ofsd_positions = "policy"      # where the OFSD loss counts: "policy" every sampled token (the paper's), "queries"
 kl_chunk = 256                 # positions per LM-head chunk of the OFSD loss (memory, not results)
 eval_batch = 64                # questions per greedy evaluation batch
 seed = 0                       # sampling, question order, LoRA initialisation
-world_seed = 0                 # the toy world (rewritten when world_dir holds another seed); seed
-                               # 0's backbone is shipped, another seed's is built (~4.5 min)
+world_seed = 0                 # the toy world; seed 0's backbone is shipped, another's is built (~4.5 min)
 device = "auto"                # "auto": cuda:0 (cuda:LOCAL_RANK under torchrun) if available, else cpu
-dtype = "auto"                 # compute dtype; weights and AdamW state stay float32. "auto": bfloat16
-                               # on cuda (FSDP2 mixed precision) and for a real checkpoint on a CPU
-                               # with native bfloat16 (AVX-512 BF16, AMX); float32 otherwise (the toy)
-activation_checkpointing = False  # recompute each decoder layer in backward: less memory, ~1/3
-                               # more training compute                          (True at 3B/7B)
+dtype = "auto"                 # compute dtype ("auto": bfloat16 on CUDA and native-bf16 CPUs for a real model)
+activation_checkpointing = False  # recompute each decoder layer in backward: less memory (True at 3B/7B)
 resume = False                 # continue from out_dir/checkpoint (the same settings; see RESUME_MAY_CHANGE)
 overwrite = False              # a fresh run may replace an earlier run's files in out_dir (never others)
 # ---------------------------------------------------------------------------------------------
@@ -148,18 +129,17 @@ def main():
     # rollout sampling, its own stream per rank: seed * 1000 + rank keeps seeds' streams apart up to 1,000 ranks
     gen = torch.Generator(device=dev).manual_seed(seed * 1000 + rank)
     torch.manual_seed(seed)  # LoRA initialisation (this RNG's state is checkpointed: exact resume)
-    # float32 weights; sharded over the ranks (fsdp.py) with compute in dt when distributed or dt is
-    # not float32 (mixed precision: float32 master weights and AdamW state, bfloat16 compute)
+    # float32 weights, sharded over the ranks with compute in dt when distributed or in bfloat16 (fsdp.py)
     policy = fsdp.wrap(run.load_policy(start_model, dev, lora_chain=grpo_lora_rank > 0), dt)
     policy.checkpoint_layers = activation_checkpointing
     # full fine-tuning's AdamW, its moments kept across rounds; a LoRA run makes one per round instead
     optimizer = None if grpo_lora_rank else torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
     run.restore(policy, optimizer, rng, gen)
     kl = KLModel(start_model, dev, dt)  # the KL term's model, loaded by the first GRPO round that needs it
-    # the task as every rollout and evaluation runs it, then the sampling of the training rollouts
-    protocol = dict(max_turns=max_turns, max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens, top_k=top_k,
-                    rollout_rows=rollout_rows, search_workers=search_workers, compile=compile)
-    rollout_args = dict(protocol, temperature=temperature, top_p=top_p)
+    # the settings each round takes, as one group each
+    sampling = configurator.group(RolloutConfig, config)
+    grpo_cfg = configurator.group(GRPOConfig, config, rollout=sampling, lr=grpo_lora_lr if grpo_lora_rank else lr)
+    ofsd_cfg = configurator.group(OFSDConfig, config)
 
     def sample_questions(n):
         """n training questions (the same on every rank), then this rank's share."""
@@ -174,15 +154,11 @@ def main():
         t0, row = time.time(), dict(round=r, after=kind, iteration=it)
         if kind == "grpo":
             adapter, round_optimizer = kl.begin_grpo_round(policy, optimizer)
-            grpo.grpo_round(
-                policy, kl.model, round_optimizer, tokenizer, index, lambda: sample_questions(questions_per_step),
-                steps=grpo_steps, first_step=run.state["step"], lr=grpo_lora_lr if grpo_lora_rank else lr,
-                warmup_steps=warmup_steps, group_size=group_size, ppo_updates=questions_per_step // ppo_mini_batch,
-                micro_batch=micro_batch, clip_ratio=clip_ratio, kl_coef=kl_coef, entropy_coef=entropy_coef,
-                max_grad_norm=max_grad_norm, rollout_args=rollout_args, generator=gen,
-                log=lambda m: run.record(dict(kind="grpo_step", iteration=it, **m,  # what each rank holds:
-                                              state_bytes=fsdp.state_bytes(policy, round_optimizer, kl.model)),
-                                         grpo_line(m, it)))
+            grpo.grpo_round(policy, kl.model, round_optimizer, tokenizer, index,
+                            lambda: sample_questions(questions_per_step), grpo_cfg, gen, run.state["step"],
+                            log=lambda m: run.record(dict(kind="grpo_step", iteration=it, **m,  # what each rank holds:
+                                                          state_bytes=fsdp.state_bytes(policy, round_optimizer, kl.model)),
+                                                     grpo_line(m, it)))
             run.state["step"] += grpo_steps
             if adapter is not None:  # saved in PEFT's format, merged: the next round starts from the merged policy
                 run.add_adapter(f"{r:02d}-grpo")
@@ -191,9 +167,9 @@ def main():
             kl.release()  # the round needs neither the KL model nor GRPO's gradients and AdamW moments
             with fsdp.parked(optimizer, os.path.join(run.ckpt_dir, f"parked-optimizer{rank}.pt")):
                 row.update(ofsd_round(policy, tokenizer, index, sample_questions(ofsd_questions), run, r, it,
-                                      rollout_args, gen))
+                                      sampling, ofsd_cfg, gen))
         with fsdp.gathered(policy):  # each rank its share of the test questions, weights gathered once
-            results = evaluate(policy, tokenizer, index, test[rank::world_size], batch=eval_batch, **protocol)
+            results = evaluate(policy, tokenizer, index, test[rank::world_size], sampling, eval_batch)
         row.update(summary=summarize(fsdp.all_ranks(results), "type"), grpo_steps=run.state["step"],
                    seconds=time.time() - t0)
         run.state["results"].append(row)
@@ -232,18 +208,18 @@ def load_world(rank):
 
 class KLModel:
     """The GRPO KL term's model and what a GRPO round trains. Full fine-tuning: a second copy of the
-    policy (kl_policy "round": the weights the round starts from; "initial": the start model), loaded
-    when a round first needs it and let go for an OFSD round (for the real 0.5B, 2.5 GB of float32).
-    GRPO through LoRA: no copy (`model` None): the policy with its fresh adapter off is the round's start."""
+    policy ("round": the weights the round starts from; "initial": the start model), loaded when a
+    round first needs it and let go for an OFSD round. GRPO through LoRA: no copy (`model` None), the
+    policy with its fresh adapter off is the round's start."""
 
     def __init__(self, start_model, device, compute_dtype):
         self.start_model, self.device, self.compute_dtype, self.model = start_model, device, compute_dtype, None
 
     def begin_grpo_round(self, policy, optimizer):
         """(the round's LoRA adapter or None, the round's optimizer), the KL model ready."""
-        if grpo_lora_rank:  # a fresh adapter; the KL term's model is the policy with it off (None)
+        if grpo_lora_rank:  # a fresh adapter, the same on every rank, its gradients summed over them
             adapter = lora.attach(policy, grpo_lora_rank, grpo_lora_alpha)
-            fsdp.broadcast(adapter)
+            fsdp.sum_grads(adapter)
             return adapter, torch.optim.AdamW(adapter, lr=grpo_lora_lr, weight_decay=0.0)
         if self.model is None:  # the first round, or an OFSD round before this one let it go
             self.model = fsdp.wrap(lora.load_policy(self.start_model, self.device, torch.float32)[0],
@@ -256,22 +232,18 @@ class KLModel:
         self.model = None
 
 
-def ofsd_round(policy, tokenizer, index, questions, run, r, it, rollout_args, gen):
-    """Mine pairs from `questions`, measure the teacher's headroom, distil through LoRA and merge,
-    measure again: the round's metrics (its losses in metrics.jsonl, not in the results)."""
+def ofsd_round(policy, tokenizer, index, questions, run, r, it, sampling, cfg, gen):
+    """Mine pairs from every rank's questions, measure the teacher's headroom, distil through LoRA
+    and merge, measure again: the round's metrics (its losses in metrics.jsonl, not the results)."""
     run.record(None, f"ofsd | it {it} | mining {ofsd_questions} questions x {group_size}")
-    pairs = ofsd.mine_round(policy, tokenizer, index, questions, group_size=group_size, rollout_args=rollout_args,
-                            generator=gen, ofsd_students=ofsd_students)
-    gap = teacher_gap.before_round(policy, tokenizer, index, pairs, rollout_args, kl_chunk, ofsd_context)
-    m = ofsd.distill(
-        policy, tokenizer, pairs, ofsd_loss=ofsd_loss, kl_weight=ofsd_kl_weight, lora_rank=lora_rank,
-        lora_alpha=lora_alpha, lora_lr=lora_lr, lora_epochs=lora_epochs, ofsd_micro_batch=ofsd_micro_batch,
-        tau_clip=tau_clip, ofsd_clip=ofsd_clip, ofsd_context=ofsd_context, ofsd_positions=ofsd_positions,
-        max_grad_norm=max_grad_norm, kl_chunk=kl_chunk,
-        seed=seed * 7919 + r,  # the pairs' order, per seed and round (the prime keeps them apart)
-        log=lambda epoch, n, loss: run.record(None, f"ofsd | it {it} | epoch {epoch} | step {n:4d} | loss {loss:.5f}"),
-        adapter_dir=run.adapter_dir(f"{r:02d}-ofsd"))
-    m.update(gap, **teacher_gap.after_round(policy, tokenizer, index, pairs, rollout_args))
+    pairs = fsdp.all_ranks(ofsd.mine_round(policy, tokenizer, index, questions, group_size, sampling, gen,
+                                           ofsd_students))  # every rank distils every pair
+    gap = teacher_gap.before_round(policy, tokenizer, index, pairs, sampling, kl_chunk, ofsd_context)
+    m = ofsd.distill(policy, tokenizer, pairs, cfg, seed=seed * 7919 + r,  # the pairs' order, per seed and round
+                     log=lambda epoch, n, loss: run.record(None, f"ofsd | it {it} | epoch {epoch} | step {n:4d} | "
+                                                                 f"loss {loss:.5f}"),
+                     adapter_dir=run.adapter_dir(f"{r:02d}-ofsd"))
+    m.update(gap, **teacher_gap.after_round(policy, tokenizer, index, pairs, sampling))
     if run.chain is not None and m["losses"]:  # a round that mined no pair trained no adapter
         run.add_adapter(f"{r:02d}-ofsd")
     row = dict(round=r, after="ofsd", iteration=it, **{k: v for k, v in m.items() if k != "losses"})
@@ -279,8 +251,12 @@ def ofsd_round(policy, tokenizer, index, questions, run, r, it, rollout_args, ge
     return {k: v for k, v in m.items() if k != "losses"}  # counts, KL, diagnostics
 
 
-# ---------------------------------------------------------------------------------------------
-# helpers: the command line and its checks, the printed lines
+def settings(cls, **overrides):
+    """A round's settings (RolloutConfig, GRPOConfig, OFSDConfig) from the constants above, `overrides`
+    first: how tests, benches and experiments build them without a second copy of a default."""
+    sampling = configurator.group(RolloutConfig, DEFAULTS, **overrides)
+    return sampling if cls is RolloutConfig else configurator.group(cls, DEFAULTS, **dict(dict(rollout=sampling), **overrides))
+
 
 def parse_overrides(argv):
     """The settings argv overrides (configurator.py: --key=value, typed by the defaults; --help)."""
@@ -289,29 +265,6 @@ def parse_overrides(argv):
 
 RESUME_MAY_CHANGE = ("resume", "overwrite", "out_dir", "world_dir", "iterations", "eval_batch", "micro_batch",
                      "kl_chunk", "activation_checkpointing", "rollout_rows", "search_workers", "compile")  # paths, length, speed, memory
-
-
-def grpo_line(m, it):
-    return (f"grpo | it {it} | step {m['step']:4d} | reward {m['reward']:.3f} | loss {m['loss']:+.4f} | "
-            f"kl {m['kl']:.5f} | clip {m['clip_frac']:.3f} | entropy {m['entropy']:.3f} | "
-            f"searches {m['searches']:.2f} | tokens {m['tokens']:6d} | {m['seconds']:.1f}s")
-
-
-def ofsd_line(row, m):
-    line = f"ofsd | it {row['iteration']} | pairs {m['pairs']} ({m['incorrect_students']} with an incorrect student)"
-    if m.get("nll_before") is not None and m["losses"]:  # tau_ref's NLL in the student view, the rft control's loss
-        line += f" | nll {m['nll_before']:.4f} -> {m['nll_after']:.4f}"
-    if "loss_before" in m:  # what distillation did: the loss, the true KL, the clip, P_student(teacher's top token)
-        line += (f" | loss {m['loss_before']:.5f} -> {m['loss_after']:.5f} | true KL {m['kl_true_before']:.4f} -> "
-                 f"{m['kl_true_after']:.4f} | clipped {m['clip_frac_before']:.2f} | P(top) {m['p_top_before']:.3f}"
-                 f" -> {m['p_top_after']:.3f}")
-    if "teacher_em" in m:  # the diagnostics: headroom (teacher vs student view) and effect on its questions
-        line += f" | teacher EM {m['teacher_em']:.3f} student EM {m['student_em']:.3f}"
-        if m["teacher_em_incorrect"] is not None:  # the pairs distillation is meant for
-            line += (f" (incorrect students: {m['teacher_em_incorrect']:.3f} / "
-                     f"{m['mined_em_before_incorrect']:.3f})")
-        line += f" | disagree {m['disagree']:.3f} | mined EM {m['mined_em_before']:.3f} -> {m['mined_em_after']:.3f}"
-    return line
 
 
 if __name__ == "__main__":

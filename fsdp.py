@@ -253,20 +253,28 @@ def rank():
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def broadcast(tensors):
-    """Rank 0's values for every rank (a LoRA adapter attached after sharding is replicated, not sharded)."""
-    if dist.is_initialized():
-        for t in tensors:
-            dist.broadcast(t.data, 0)
-
-
-def sum_replicated_grads(params):
-    """Sum over ranks the gradients FSDP does not reduce: those of parameters it does not shard (a
-    LoRA adapter attached after sharding), so every rank's copy takes the same step."""
+def replicate(params):
+    """Rank 0's values for every rank: parameters attached after sharding (a LoRA adapter) are
+    replicated, not sharded."""
     if dist.is_initialized():
         for p in params:
-            if p.grad is not None and not isinstance(p.grad, DTensor):
-                dist.all_reduce(p.grad)
+            dist.broadcast(p.data, 0)
+
+
+def sum_grads(params):
+    """Sum each replicated parameter's gradient over the ranks as backward makes it (a GRPO adapter:
+    each rank's trajectories differ; FSDP sums the sharded weights' own)."""
+    if dist.is_initialized():
+        for p in params:
+            p.register_hook(lambda g: all_sum(g.clone()))
+
+
+def all_sum(t):
+    """t summed over every rank, in place (t itself in one process): the collective the method calls
+    where a step needs every rank (GRPO's token mean and its logged sums)."""
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t
 
 
 def all_ranks(items):

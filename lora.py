@@ -78,7 +78,9 @@ def attach(model, r, alpha, dropout=0.0, targets=TARGETS):
         parent_name, child = name.rsplit(".", 1)
         parent = model.get_submodule(parent_name)
         setattr(parent, child, LoRALinear(getattr(parent, child), r, alpha, dropout))
-    return [p for _, m in _wrapped(model) for p in (m.lora_A.weight, m.lora_B.weight)]
+    params = [p for _, m in _wrapped(model) for p in (m.lora_A.weight, m.lora_B.weight)]
+    fsdp.replicate(params)  # a sharded base: every rank starts from rank 0's adapter
+    return params
 
 
 @contextlib.contextmanager
@@ -113,7 +115,7 @@ def merge(model):
 def merge_trained(model, params, adapter_dir=None):
     """End of a round that trained the adapter `params`: the same adapter on every rank (rank 0's),
     saved to `adapter_dir` in PEFT's format when given, merged into the base weights, which train again."""
-    fsdp.broadcast(params)  # guard against non-deterministic kernels: rank 0's adapter for all
+    fsdp.replicate(params)  # guard against non-deterministic kernels: rank 0's adapter for all
     if adapter_dir is not None and fsdp.rank() == 0:
         save_adapter(model, adapter_dir)
     fsdp.reshard(model)  # a sharded base takes each rank's slice of the merged update

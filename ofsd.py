@@ -1,6 +1,6 @@
 """OFSD: offline self-distillation from the policy's own better sibling (Search-E1's contribution).
 
-An OFSD round follows a GRPO round (METHOD.md, "OFSD"):
+An OFSD round follows a GRPO round:
 1. Mine. G rollouts per question, EM rewards; per group with a correct rollout one pair: tau_ref =
    the correct one with the fewest searches (then policy tokens); tau_stu = the incorrect one that
    differs most from it (bigram distance of policy tokens), else the most different other correct one.
@@ -13,31 +13,44 @@ An OFSD round follows a GRPO round (METHOD.md, "OFSD"):
    sampled, the paper's; "queries" those of its search queries), Pt / Ps the teacher's / student's
    next-token distributions, the teacher's without gradient:
      L = 1/|R| sum_{p in R} sum_v min(Pt_p(v) log(Pt_p(v) / Ps_p(v)), tau_clip)      ofsd_clip "vocab"
-   ("position" clips each position's KL instead, "none" not at all; clipped_kl.py has the gradients).
-   `ofsd_loss` "nll" fits tau_ref's own policy tokens in the student view instead (the rft control),
-   "nll_kl" adds the two.
+   ("position" clips each position's KL, "none" not at all; clipped_kl.py has the gradients).
+   `ofsd_loss` "nll" fits tau_ref's own policy tokens in the student view instead (the rft
+   control), "nll_kl" adds the two.
 4. AdamW on the adapter alone, then merge it: the next GRPO round's policy.
-Diagnostics (what the teacher view knows that the student view does not) are teacher_gap.py's.
 Left out: reverse KL, mixing OFSD with RL in one loss, several references per pair.
 
     python evolve.py --ofsd_loss=nll      # the loop runs the rounds; python clipped_kl.py checks the loss
 """
 
-import dataclasses
-import json
 import random
 from collections import Counter
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-import fsdp
 import lora
-from checkpoint import write_atomic
 from clipped_kl import fused_linear_clipped_kl, position_stats
-from grpo import pad_batch, token_logprobs
 from model import pad_right
-from rollout import ACTION, Trajectory, em_rewards, make_prompt, rollout
+from rollout import ACTION, em_rewards, make_prompt, pad_batch, rollout, token_logprobs
+
+
+@dataclass(frozen=True)
+class OFSDConfig:
+    """An OFSD round's settings (evolve.py's constants of these names)."""
+    ofsd_loss: str  # "kl" (the paper's), "nll" (the rft control), "nll_kl"
+    ofsd_kl_weight: float  # the KL's weight beside the NLL in "nll_kl"
+    lora_rank: int
+    lora_alpha: float
+    lora_lr: float
+    lora_epochs: int  # passes over the pairs
+    ofsd_micro_batch: int  # pairs an optimizer step
+    tau_clip: float  # the loss's clip threshold
+    ofsd_clip: str  # what tau_clip caps: "vocab", "position", "none"
+    ofsd_context: str  # what the teacher sees of tau_ref (CONTEXTS)
+    ofsd_positions: str  # where the loss counts (POSITIONS)
+    max_grad_norm: float
+    kl_chunk: int  # positions per LM-head chunk (memory, not results)
 
 
 class Pair(NamedTuple):
@@ -72,34 +85,7 @@ LOSSES = ("kl", "nll", "nll_kl")  # ofsd_loss: the paper's KL, the rft control (
 
 
 # ----------------------------------------------------------------------------------------------
-# 1. the loss: the clipped forward KL of the teacher view, or tau_ref's NLL
-
-def pair_loss(model, batch, tau_clip, ofsd_clip, kl_chunk):
-    """Mean over the pairs of each pair's mean clipped KL over its loss positions; batch: (PairSequences,
-    teacher states) as `teacher_states` gives them (the frozen base's, adapter off)."""
-    h_s, h_t, s_pos = pair_states(model, batch)  # (N, d) each
-    w = torch.tensor([1.0 / (len(p) * len(batch)) for p in s_pos for _ in p], device=h_s.device)
-    return fused_linear_clipped_kl(h_s, h_t, model.lm_head_weight, tau_clip, ofsd_clip, w, kl_chunk)
-
-
-def tau_ref_nll(model, refs, pad_id):
-    """Mean over the trajectories of each one's mean -log p of its policy tokens: (), differentiable."""
-    ids, valid, mask, _ = pad_batch(refs, pad_id, model.model.embed_tokens.weight.device)  # (B, T) each
-    logp = token_logprobs(model, ids, valid, mask, 1.0)  # (n,) row-major
-    counts = mask[:, 1:].sum(1)  # (B,) policy tokens of each trajectory
-    w = torch.repeat_interleave(1.0 / (counts.to(logp.dtype) * len(refs)), counts)  # (n,)
-    return -(w * logp).sum()
-
-
-def pair_states(model, items):
-    """(student states with the adapter as it is (N, d), the items' teacher states (N, d), the student
-    loss positions per pair) for (PairSequences, teacher states) items."""
-    s_pos = [d.student_pos for d, _ in items]
-    return gather_hidden(model, [d.student for d, _ in items], s_pos), torch.cat([h for _, h in items]), s_pos
-
-
-# ----------------------------------------------------------------------------------------------
-# 2. pair mining
+# 1. pair mining
 
 def policy_tokens(t):
     return [x for x, m in zip(t.tokens, t.loss_mask) if m]
@@ -148,24 +134,15 @@ def mine(trajs, questions, group_size, ofsd_students="any"):
             if p.incorrect or ofsd_students == "any"]
 
 
-def save_pairs(path, pairs, extra):
-    """Write mined pairs (and a dict of what else the caller keeps with them) as JSON, atomically."""
-    write_atomic(path, json.dumps(dict(extra=extra, pairs=[
-        dict(ref=dataclasses.asdict(p.ref), stu=dataclasses.asdict(p.stu), incorrect=p.incorrect,
-             golds=list(p.golds), group=[[list(qs), r] for qs, r in p.group]) for p in pairs])))
-
-
-def load_pairs(path):
-    """(pairs, extra) as save_pairs wrote them (files of docs/data/ from before it: their other keys as extra)."""
-    with open(path) as f:
-        saved = json.load(f)
-    extra = saved.get("extra", {k: v for k, v in saved.items() if k != "pairs"})
-    return [Pair(Trajectory(**p["ref"]), Trajectory(**p["stu"]), p["incorrect"], tuple(p["golds"]),
-                 tuple((tuple(qs), r) for qs, r in p.get("group", ()))) for p in saved["pairs"]], extra
+def mine_round(policy, tokenizer, index, questions, group_size, cfg, generator, ofsd_students):
+    """The round's pairs from this rank's questions: G rollouts of the current policy each (cfg: a
+    RolloutConfig), EM rewards, one pair per question with a correct rollout."""
+    trajs = rollout(policy, tokenizer, index, [q["question"] for q in questions], group_size, cfg, generator)
+    return mine(trajs, questions, group_size, ofsd_students)
 
 
 # ----------------------------------------------------------------------------------------------
-# 3. the two views
+# 2. the two views
 
 def privileged(tokenizer, pair, context):
     """The teacher view's addition to the user message: what `context` (one of CONTEXTS) shows of
@@ -251,74 +228,90 @@ def gather_hidden(model, seqs, positions):
 
 
 # ----------------------------------------------------------------------------------------------
+# 3. the loss: the clipped forward KL of the teacher view, or tau_ref's NLL
+
+def pair_loss(model, batch, tau_clip, ofsd_clip, kl_chunk):
+    """Mean over the pairs of each pair's mean clipped KL over its loss positions; batch: (PairSequences,
+    teacher states) as `teacher_states` gives them (the frozen base's, adapter off)."""
+    h_s, h_t, s_pos = pair_states(model, batch)  # (N, d) each
+    w = torch.tensor([1.0 / (len(p) * len(batch)) for p in s_pos for _ in p], device=h_s.device)
+    return fused_linear_clipped_kl(h_s, h_t, model.lm_head_weight, tau_clip, ofsd_clip, w, kl_chunk)
+
+
+def tau_ref_nll(model, refs, pad_id):
+    """Mean over the trajectories of each one's mean -log p of its policy tokens: (), differentiable."""
+    ids, valid, mask, _ = pad_batch(refs, pad_id, model.model.embed_tokens.weight.device)  # (B, T) each
+    logp = token_logprobs(model, ids, valid, mask, 1.0)  # (n,) row-major
+    counts = mask[:, 1:].sum(1)  # (B,) policy tokens of each trajectory
+    w = torch.repeat_interleave(1.0 / (counts.to(logp.dtype) * len(refs)), counts)  # (n,)
+    return -(w * logp).sum()
+
+
+def pair_states(model, items):
+    """(student states with the adapter as it is (N, d), the items' teacher states (N, d), the student
+    loss positions per pair) for (PairSequences, teacher states) items."""
+    s_pos = [d.student_pos for d, _ in items]
+    return gather_hidden(model, [d.student for d, _ in items], s_pos), torch.cat([h for _, h in items]), s_pos
+
+
+# ----------------------------------------------------------------------------------------------
 # 4. the round
 
-def mine_round(policy, tokenizer, index, questions, *, group_size, rollout_args, generator, ofsd_students):
-    """The round's pairs: G rollouts of the current policy per question (this rank's questions), EM
-    rewards, one mined pair per question with a correct rollout; every rank gets all ranks' pairs
-    (each rank distils them all: sharded weights are all-gathered layer by layer, so every rank must
-    run the same passes). ofsd_students="incorrect" keeps only pairs whose student is incorrect."""
-    with torch.no_grad():
-        trajs = rollout(policy, tokenizer, index, [q["question"] for q in questions], group_size, generator=generator,
-                        **rollout_args)
-    return fsdp.all_ranks(mine(trajs, questions, group_size, ofsd_students))
-
-
-def distill(model, tokenizer, pairs, *, ofsd_loss, kl_weight, lora_rank, lora_alpha, lora_lr, lora_epochs,
-            ofsd_micro_batch, tau_clip, ofsd_clip, ofsd_context, ofsd_positions, max_grad_norm, kl_chunk, seed, log=None,
-            adapter_dir=None):
-    """Train a LoRA adapter on the pairs minimising `ofsd_loss` (steps 2-4 of the module docstring),
-    then merge it (saved to `adapter_dir` first, when given). `log(epoch, step, loss)` after every
-    step. Reports the KL's statistics (`pair_stats`) and tau_ref's NLL before and after, whatever the loss."""
-    seqs = [pair_sequences(tokenizer, p.stu, privileged(tokenizer, p, ofsd_context), ofsd_positions) for p in pairs]
-    has_pos = [bool(s.student_pos) for s in seqs]  # a student with no loss position has nothing to learn from KL
-    items = list(zip([s for s, h in zip(seqs, has_pos) if h],
-                     teacher_states(model, [s for s, h in zip(seqs, has_pos) if h], ofsd_micro_batch)))
-    by_pair = iter(items)
-    item_of = [next(by_pair) if h else None for h in has_pos]  # each pair's (PairSequences, teacher states)
-    data = [(p.ref, item) for p, item in zip(pairs, item_of)  # (tau_ref, KL item) for the pairs this loss can use
-            if (ofsd_loss == "nll" or item is not None) and (ofsd_loss == "kl" or sum(p.ref.loss_mask))]
-    refs = [p.ref for p in pairs if sum(p.ref.loss_mask)]
+def distill(model, tokenizer, pairs, cfg, seed, log=None, adapter_dir=None):
+    """Train a LoRA adapter on the pairs minimising cfg.ofsd_loss (steps 2-4 above), then merge it
+    (saved to `adapter_dir` first, when given); `seed` orders the pairs. `log(epoch, step, loss)`
+    after each step. Reports the KL's statistics and tau_ref's NLL before and after."""
     metrics = dict(pairs=len(pairs), incorrect_students=sum(p.incorrect for p in pairs), losses=[])
+    # 1. both views of every pair, and the teacher's states (adapter off) at the loss positions
+    seqs = [pair_sequences(tokenizer, p.stu, privileged(tokenizer, p, cfg.ofsd_context), cfg.ofsd_positions)
+            for p in pairs]
+    with_pos = [s for s in seqs if s.student_pos]  # a student with no loss position has no KL term
+    states = iter(teacher_states(model, with_pos, cfg.ofsd_micro_batch))
+    items = [(s, next(states)) if s.student_pos else None for s in seqs]  # per pair: (PairSequences, (n, d))
+    # 2. what this loss trains on: (tau_ref, KL item) of each pair it can use
+    data = [(p.ref, item) for p, item in zip(pairs, items)
+            if (cfg.ofsd_loss == "nll" or item is not None) and (cfg.ofsd_loss == "kl" or sum(p.ref.loss_mask))]
+    items = [item for item in items if item is not None]
+    refs = [p.ref for p in pairs if sum(p.ref.loss_mask)]
     if not data:
         return metrics
-    params = lora.attach(model, lora_rank, lora_alpha)
-    fsdp.broadcast(params)  # every rank trains the same adapter on the same pairs (it is small)
 
     def measure(when):
-        stats = pair_stats(model, items, tau_clip, ofsd_clip, ofsd_micro_batch, kl_chunk) if items else {}
+        stats = pair_stats(model, items, cfg.tau_clip, cfg.ofsd_clip, cfg.ofsd_micro_batch, cfg.kl_chunk) \
+            if items else {}
         with torch.no_grad():
             stats["nll"] = tau_ref_nll(model, refs, tokenizer.pad_id).item() if refs else None
         metrics.update({f"{k}_{when}": v for k, v in stats.items()})
 
-    def batch_loss(m, batch):
-        if ofsd_loss == "kl":
-            return pair_loss(m, [item for _, item in batch], tau_clip, ofsd_clip, kl_chunk)
-        nll = tau_ref_nll(m, [ref for ref, _ in batch], tokenizer.pad_id)
-        return nll if ofsd_loss == "nll" else nll + kl_weight * pair_loss(m, [i for _, i in batch], tau_clip,
-                                                                          ofsd_clip, kl_chunk)
+    def batch_loss(batch):
+        if cfg.ofsd_loss == "kl":
+            return pair_loss(model, [item for _, item in batch], cfg.tau_clip, cfg.ofsd_clip, cfg.kl_chunk)
+        nll = tau_ref_nll(model, [ref for ref, _ in batch], tokenizer.pad_id)
+        return nll if cfg.ofsd_loss == "nll" else nll + cfg.ofsd_kl_weight * pair_loss(
+            model, [item for _, item in batch], cfg.tau_clip, cfg.ofsd_clip, cfg.kl_chunk)
+    # 3. a fresh adapter, trained, measured before and after, merged
+    params = lora.attach(model, cfg.lora_rank, cfg.lora_alpha)
     measure("before")
-    metrics["losses"] = fit_adapter(model, params, data, batch_loss, lora_lr=lora_lr, lora_epochs=lora_epochs,
-                                    micro_batch=ofsd_micro_batch, max_grad_norm=max_grad_norm, seed=seed, log=log)
+    metrics["losses"] = fit_adapter(params, data, batch_loss, cfg, seed, log)
     measure("after")
     lora.merge_trained(model, params, adapter_dir)
     return metrics
 
 
-def fit_adapter(model, params, data, batch_loss, *, lora_lr, lora_epochs, micro_batch, max_grad_norm, seed, log=None):
-    """AdamW on the adapter `params`: `lora_epochs` passes over `data` in an order shuffled by
-    random.Random(seed), one step per `micro_batch` items minimising batch_loss(model, items), the
-    gradient norm clipped at max_grad_norm. `log(epoch, step, loss)` after every step. Returns the losses."""
-    opt = torch.optim.AdamW(params, lr=lora_lr, weight_decay=0.0)
+def fit_adapter(params, data, batch_loss, cfg, seed, log=None):
+    """AdamW on the adapter `params`: cfg.lora_epochs passes over `data` in an order shuffled by
+    random.Random(seed), one step per cfg.ofsd_micro_batch items minimising batch_loss(items), the
+    gradient norm clipped. `log(epoch, step, loss)` after every step. Returns the losses."""
+    opt = torch.optim.AdamW(params, lr=cfg.lora_lr, weight_decay=0.0)
     rng, losses = random.Random(seed), []
-    for epoch in range(lora_epochs):
+    for epoch in range(cfg.lora_epochs):
         order = list(range(len(data)))
         rng.shuffle(order)
-        for s in range(0, len(order), micro_batch):
-            loss = batch_loss(model, [data[i] for i in order[s:s + micro_batch]])
+        for s in range(0, len(order), cfg.ofsd_micro_batch):
+            loss = batch_loss([data[i] for i in order[s:s + cfg.ofsd_micro_batch]])
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+            torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             opt.step()
             losses.append(loss.item())
             if log:
@@ -342,10 +335,9 @@ def teacher_states(model, data, micro_batch):
 @torch.no_grad()
 def pair_stats(model, items, tau_clip, ofsd_clip, ofsd_micro_batch, kl_chunk):
     """Mean over the pairs of each pair's mean over its loss positions (the loss's own weighting)
-    of: the loss ("loss", the clipped value training minimises), the true forward KL ("kl_true"), the share
-    of positions the clip changed ("clip_frac") and the student's probability of the teacher's
-    most likely token ("p_top"). items: (PairSequences, teacher states) as `teacher_states` gives
-    them; the student runs with the adapter."""
+    of: the clipped loss ("loss"), the true forward KL ("kl_true"), the share of positions the clip
+    changed ("clip_frac") and the student's probability of the teacher's most likely token
+    ("p_top"). items: (PairSequences, teacher states); the student runs with the adapter."""
     sums = dict(loss=0.0, kl_true=0.0, clip_frac=0.0, p_top=0.0)
     for i in range(0, len(items), ofsd_micro_batch):
         part = items[i:i + ofsd_micro_batch]

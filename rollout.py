@@ -1,24 +1,23 @@
 """The Search-R1 task: its prompt, its turn, multi-turn search rollouts with loss masks, EM reward.
 
-The question goes into the fixed instruction below, one user message in the checkpoint's own chat
-template. The model writes a turn until it closes </search> or </answer>, writes an end-of-turn
-token (dropped: not in the tokens, the mask, the log-probs or the KV cache, as Search-R1 decodes
-without special tokens) or hits the per-turn cap. The turn's first <search>q</search> or
-<answer>a</answer> is its action:
-    search  -> "\n\n<information>" + the top-k documents + "</information>\n\n" is appended
-               (cut to the observation cap), and the model writes on;
+The question goes into the instruction below, one user message in the checkpoint's chat template.
+The model writes a turn until it closes </search> or </answer>, writes an end-of-turn token
+(dropped, as Search-R1 decodes without special tokens) or hits the per-turn cap. The turn's first
+<search>q</search> or <answer>a</answer> is its action:
+    search  -> "\n\n<information>" + the top-k documents + "</information>\n\n" (cut to the
+               observation cap) is appended, and the model writes on;
     answer  -> the trajectory ends;
     neither -> the invalid-action message is appended, and the model writes on.
-After `max_turns` such turns, one last turn may only answer (a search there is not run).
+After `max_turns` such turns, one last turn may only answer.
 
 A trajectory is (tokens, loss_mask, logprobs, ...): loss_mask is 1 exactly where the policy sampled
-the token; prompt, observations and injected messages are 0. GRPO and OFSD both use it.
+the token; prompt, observations and injected messages are 0. GRPO and OFSD both use it, and
+`token_logprobs` (a policy's log-probs at those tokens) is their one way to read it.
 Reward: EM of the last <answer> the model wrote against any gold answer, both normalised (lowercase,
 no punctuation or articles, whitespace squeezed); no format reward.
 
-Decoding is generate.decode's; this file hands it the prompts and the turn (`turn_end`). Trajectory
-i's k-th token is drawn at u[i, k] of one table of uniforms, so a trajectory does not depend on the
-rows beside it or on `rollout_rows`. Left out: paged attention, vLLM.
+Decoding is generate.decode's; this file hands it the prompts and the turn (`turn_end`). Left out:
+paged attention, vLLM.
 
     python rollout.py CHECKPOINT_DIR INDEX_DIR "Who founded the company that makes the iPhone?"
 """
@@ -29,10 +28,11 @@ import sys
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
-import fsdp
 import generate
-from model import load
+from model import load, pad_right
 from retriever import format_docs
 
 INSTRUCTION = (
@@ -50,10 +50,25 @@ INFO_OPEN, INFO_CLOSE = "\n\n<information>", "</information>\n\n"
 STOP_STRINGS = ("</search>", "</answer>")
 ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-# Search-R1's own settings (train_grpo.sh: max_turns=2, max_response_length and max_obs_length 500,
-# retriever.topk 3; its validation runs in the same trainer with them); eval.py's command-line defaults
-SEARCH_R1_SETTINGS = dict(max_turns=2, max_turn_tokens=500, max_obs_tokens=500, top_k=3)
 
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How a rollout runs the task (evolve.py's constants of these names; the defaults are greedy)."""
+    max_turns: int  # searching turns before the answer-only turn
+    max_turn_tokens: int  # per-turn response cap
+    max_obs_tokens: int  # observation cap
+    top_k: int  # documents per search
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # nucleus sampling
+    rollout_rows: int = 0  # trajectories decoded at once (the KV cache's rows); 0 = all
+    search_workers: int = 1  # processes sharing a turn's searches
+    compile: bool = False  # decoding steps through torch.compile
+
+
+# Search-R1's own settings (train_grpo.sh: max_turns=2, max_response_length and max_obs_length 500,
+# retriever.topk 3), eval.py's defaults
+SEARCH_R1 = RolloutConfig(max_turns=2, max_turn_tokens=500, max_obs_tokens=500, top_k=3)
 
 def make_prompt(question):
     """Search-R1's user message for a question (stripped, '?' appended when missing)."""
@@ -98,14 +113,12 @@ def em_rewards(trajs, questions, group_size):
     return [exact_match(t.answer, g) for t, g in zip(trajs, golds)]
 
 
-def max_response_tokens(tokenizer, *, max_turns, max_turn_tokens, max_obs_tokens):
+def max_response_tokens(tokenizer, cfg):
     """The most KV-cache slots a response can take after its prompt: max_turns searching turns and
-    the answer-only turn, each up to max_turn_tokens plus the slot of a dropped end-of-turn token,
-    and after each searching turn an observation (at most max_obs_tokens) or the invalid-action
-    message, whichever is longer. `rollout` sizes its cache with it; evolve.py refuses settings
-    whose trajectories could outgrow the model's context with it."""
-    env = max(max_obs_tokens, len(tokenizer.encode(INVALID)))
-    return (max_turns + 1) * (max_turn_tokens + 1) + max_turns * env
+    the answer-only turn, each up to max_turn_tokens plus a dropped end-of-turn token's slot, and
+    after each searching turn an observation or the invalid-action message, whichever is longer."""
+    env = max(cfg.max_obs_tokens, len(tokenizer.encode(INVALID)))
+    return (cfg.max_turns + 1) * (cfg.max_turn_tokens + 1) + cfg.max_turns * env
 
 
 @dataclass
@@ -142,30 +155,16 @@ class Trajectory:
 
 
 @torch.no_grad()
-def rollout(model, tokenizer, retriever, questions, group_size, *, max_turns, max_turn_tokens,
-            max_obs_tokens, top_k, temperature, top_p, generator, contexts=None, rollout_rows=0, search_workers=1,
-            compile=False):
-    """Run len(questions) x group_size trajectories; returns them question-major (q0 g0, q0 g1, ...).
-    `contexts`: text appended to each question's user message (OFSD's teacher view puts tau_ref there).
-    `rollout_rows`: decode at most this many trajectories at once (the KV cache's size), 0 = all.
-    `search_workers`: processes that share each turn's batch of searches (retriever.Index.search).
-    `compile`: decoding steps through torch.compile (generate.compiled)."""
+def rollout(model, tokenizer, retriever, questions, group_size, cfg, generator=None, contexts=None, uniforms=None):
+    """len(questions) x group_size trajectories, question-major (q0 g0, q0 g1, ...). `contexts`: text
+    appended to each question's user message (OFSD's teacher view). Trajectory i draws its k-th token
+    at uniforms[i, k] (default: drawn from `generator`), so what it samples does not depend on the
+    rows beside it or on cfg.rollout_rows."""
     G, contexts = group_size, contexts or [""] * len(questions)
-    with fsdp.gathered(model):  # a sharded model: weights all-gathered once for the whole batch
-        # the k-th token trajectory i samples uses u[i, k]: what a row draws does not depend on which
-        # rows share its batch or when they stop (so any rollout_rows gives the same trajectories)
-        u = None if temperature == 0 else torch.rand(  # (N, the most tokens a trajectory samples)
-            len(questions) * G, (max_turns + 1) * max_turn_tokens, generator=generator,
-            device=model.model.embed_tokens.weight.device)
-        return _rollout(model, tokenizer, retriever, questions, contexts, G, u, rollout_rows=rollout_rows,
-                        max_turns=max_turns, max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens,
-                        top_k=top_k, temperature=temperature, top_p=top_p, search_workers=search_workers,
-                        compile=compile)
-
-
-def _rollout(model, tokenizer, retriever, questions, contexts, G, u, *, rollout_rows, max_turns, max_turn_tokens,
-             max_obs_tokens, top_k, temperature, top_p, search_workers, compile=False):
-    """`rollout` with u (N, (max_turns + 1) * max_turn_tokens) the trajectories' uniforms."""
+    u = uniforms
+    if u is None and cfg.temperature > 0:
+        u = torch.rand(len(questions) * G, (cfg.max_turns + 1) * cfg.max_turn_tokens,  # (N, most sampled tokens)
+                       generator=generator, device=model.model.embed_tokens.weight.device)
     prompts = [tokenizer.encode(tokenizer.chat_prompt(make_prompt(q) + c)) for q, c in zip(questions, contexts)]
     trajs = [Trajectory(q, len(p)) for q, p in zip(questions, prompts) for _ in range(G)]
     for t, p in zip(trajs, (p for p in prompts for _ in range(G))):
@@ -176,16 +175,16 @@ def _rollout(model, tokenizer, retriever, questions, contexts, G, u, *, rollout_
         """The Search-R1 turn: answer (done), search (the observation next), neither (the invalid-action
         message next); after max_turns searching turns, the answer-only turn ends the trajectory."""
         nxt, searching = {}, []
-        for i, toks, lps, _ in ended:  # an end-of-turn token is never among toks (Search-R1 skips it)
+        for i, toks, lps, _ in ended:
             t, text = trajs[i], tokenizer.decode(toks)
             t.add(toks, sampled=True, logprobs=lps)
             t.model_text += text
             t.n_turns += 1
             t.answer = extract_answer(t.model_text)
-            m = ACTION.search(text)  # the first <search>q</search> or <answer>a</answer> of the turn
+            m = ACTION.search(text)  # the turn's first <search>q</search> or <answer>a</answer>
             if m and m.group(1) == "answer":
                 t.stop, nxt[i] = "answer", None
-            elif t.n_turns == max_turns + 1:
+            elif t.n_turns == cfg.max_turns + 1:
                 t.stop, nxt[i] = "final_turn_without_answer", None
             elif m:
                 t.queries.append(m.group(2).strip())
@@ -193,28 +192,63 @@ def _rollout(model, tokenizer, retriever, questions, contexts, G, u, *, rollout_
             else:
                 nxt[i] = invalid_ids
         if searching:  # one batched call for every row that searches now
-            hits = retriever.search([trajs[i].queries[-1] for i in searching], top_k, workers=search_workers)
+            hits = retriever.search([trajs[i].queries[-1] for i in searching], cfg.top_k, workers=cfg.search_workers)
             for i, h in zip(searching, hits):
-                nxt[i] = tokenizer.encode(observation([retriever.doc(d) for d, _ in h]))[:max_obs_tokens]
+                nxt[i] = tokenizer.encode(observation([retriever.doc(d) for d, _ in h]))[:cfg.max_obs_tokens]
         for i, ids in nxt.items():
             if ids is not None:
                 trajs[i].add(ids, sampled=False)  # loss_mask 0: the environment's tokens
         return nxt
 
-    max_len = max(map(len, prompts)) + max_response_tokens(
-        tokenizer, max_turns=max_turns, max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens)
-    generate.decode(model, tokenizer, prompts, G, turn_end, max_len=max_len, max_turn_tokens=max_turn_tokens,
-                    temperature=temperature, top_p=top_p, uniforms=u, rows=rollout_rows, stop_strings=STOP_STRINGS,
-                    compile=compile)
+    max_len = max(map(len, prompts)) + max_response_tokens(tokenizer, cfg)
+    generate.decode(model, tokenizer, prompts, G, turn_end, max_len=max_len, max_turn_tokens=cfg.max_turn_tokens,
+                    temperature=cfg.temperature, top_p=cfg.top_p, uniforms=u, rows=cfg.rollout_rows,
+                    stop_strings=STOP_STRINGS, compile=cfg.compile)
     return trajs
 
+
+# ---------------------------------------------------------------------------------------------
+# a policy's log-probabilities at a trajectory's sampled tokens (GRPO's loss, OFSD's NLL)
+
+def pad_batch(trajs, pad_id, device):
+    """Right-pad trajectories -> ids, valid, loss_mask (B, T) and the rollout log-probs (B, T)."""
+    ids, valid = pad_right([t.tokens for t in trajs], pad_id, device)
+    mask = pad_right([t.loss_mask for t in trajs], 0, device)[0].bool()
+    old = torch.zeros(ids.shape, device=device)
+    for i, t in enumerate(trajs):
+        old[i, :len(t.logprobs)] = torch.tensor(t.logprobs, device=device)
+    return ids, valid, mask, old
+
+
+HEAD_CHUNK = 512  # loss positions per LM-head chunk: a (512, V) float32 block at a time (memory, not results)
+
+
+def _head(h, weight, targets, temperature):
+    """One chunk of the LM head: (C, d) hidden states -> log p(target) and the entropy, each (C,)."""
+    logits = F.linear(h, weight)  # (C, V), in float32 at least (float64 stays float64)
+    log_p = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, -1)
+    return log_p.gather(-1, targets[:, None]).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
+
+
+def token_logprobs(model, ids, valid, mask, temperature, entropy=False, chunk=HEAD_CHUNK):
+    """log softmax(logits / temperature) of each token where mask is 1, (n_masked,), and with
+    entropy=True each distribution's entropy, (n_masked,). The LM head runs `chunk` positions at a
+    time, recomputed in backward: autograd keeps no (n, V) tensor."""
+    pred = mask[:, 1:]  # token t is predicted from position t - 1
+    h_sel = model.hidden(ids, valid=valid, select=F.pad(pred, (0, 1)))  # (n, d)
+    targets = ids[:, 1:][pred]  # (n,)
+    weight, parts = model.lm_head_weight, []
+    for c in range(0, len(targets), chunk):
+        args = (h_sel[c:c + chunk], weight, targets[c:c + chunk], temperature)
+        parts.append(checkpoint(_head, *args, use_reentrant=False) if torch.is_grad_enabled() else _head(*args))
+    logp, ent = (torch.cat(x) for x in zip(*parts)) if parts else (h_sel.new_zeros(0).float(),) * 2  # (n,)
+    return (logp, ent) if entropy else logp
 
 if __name__ == "__main__":
     if len(sys.argv) != 4:
         sys.exit("usage: python rollout.py CHECKPOINT_DIR INDEX_DIR QUESTION")
     from retriever import load_index
     policy, tok = load(sys.argv[1])
-    (traj,) = rollout(policy, tok, load_index(sys.argv[2]), [sys.argv[3]], 1, temperature=0.0, top_p=1.0,
-                      generator=None, **SEARCH_R1_SETTINGS)
+    (traj,) = rollout(policy, tok, load_index(sys.argv[2]), [sys.argv[3]], 1, SEARCH_R1)
     print(traj.render(tok))
     print(f"answer: {traj.answer!r}  searches: {traj.n_search}  stop: {traj.stop}")

@@ -11,6 +11,8 @@ rounds show exactly that (README, docs/ablation.md).
     python evolve.py        # each OFSD line prints these; metrics.jsonl keeps them all
 """
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -21,14 +23,12 @@ from rollout import exact_match, rollout
 SEGMENTS = ("think", "search", "answer")
 
 
-def greedy_scores(policy, tokenizer, index, mined, rollout_args, context=None):
-    """One greedy rollout per mined question from the student view (context None), or the teacher
-    view that `context` (one of CONTEXTS) renders: (EM per question, searches per question)."""
+def greedy_scores(policy, tokenizer, index, mined, cfg, context=None):
+    """One greedy rollout (cfg: a RolloutConfig, its sampling ignored) per mined question from the
+    student view (context None), or the teacher view that `context` renders: (EM, searches) per question."""
     contexts = [ofsd.privileged(tokenizer, p, context) for p in mined] if context else None
-    greedy = dict(rollout_args, temperature=0.0, top_p=1.0)
-    with torch.no_grad():
-        trajs = rollout(policy, tokenizer, index, [p.stu.question for p in mined], 1,
-                        contexts=contexts, generator=None, **greedy)
+    greedy = dataclasses.replace(cfg, temperature=0.0, top_p=1.0)
+    trajs = rollout(policy, tokenizer, index, [p.stu.question for p in mined], 1, greedy, contexts=contexts)
     return [exact_match(t.answer, list(p.golds)) for t, p in zip(trajs, mined)], [t.n_search for t in trajs]
 
 
@@ -80,15 +80,15 @@ def token_diagnostics(model, tokenizer, mined, kl_chunk, context):
     return out
 
 
-def before_round(policy, tokenizer, index, mined, rollout_args, kl_chunk, context):
+def before_round(policy, tokenizer, index, mined, cfg, kl_chunk, context):
     """Before the round ({} without pairs): greedy EM from the teacher view (as `context` renders it)
     and the student view (the headroom to distil; the teacher's also split by whether the pair's
     student was incorrect, as mined_em_before is), each view's searches a question, the
     teacher/student disagreement and true KL by segment."""
     if not mined:
         return {}
-    student, student_searches = greedy_scores(policy, tokenizer, index, mined, rollout_args)
-    teacher, teacher_searches = greedy_scores(policy, tokenizer, index, mined, rollout_args, context)
+    student, student_searches = greedy_scores(policy, tokenizer, index, mined, cfg)
+    teacher, teacher_searches = greedy_scores(policy, tokenizer, index, mined, cfg, context)
     out = split_em("teacher_em", teacher, mined)  # overall, and split by whether the student was incorrect
     out.update(student_em=sum(student) / len(student), **split_em("mined_em_before", student, mined))
     out.update(student_searches=sum(student_searches) / len(mined), teacher_searches=sum(teacher_searches) / len(mined))
@@ -96,6 +96,6 @@ def before_round(policy, tokenizer, index, mined, rollout_args, kl_chunk, contex
     return out
 
 
-def after_round(policy, tokenizer, index, mined, rollout_args):
+def after_round(policy, tokenizer, index, mined, cfg):
     """After the round ({} without pairs): greedy EM on its own questions, split by whether the student was incorrect."""
-    return split_em("mined_em_after", greedy_scores(policy, tokenizer, index, mined, rollout_args)[0], mined) if mined else {}
+    return split_em("mined_em_after", greedy_scores(policy, tokenizer, index, mined, cfg)[0], mined) if mined else {}

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from eval import evaluate, read_questions, summarize  # noqa: E402
 from model import load  # noqa: E402
 from retriever import load_index  # noqa: E402
-from rollout import SEARCH_R1_SETTINGS  # noqa: E402
+from rollout import SEARCH_R1  # noqa: E402
 
 
 def counted(model):
@@ -51,7 +51,7 @@ def one_run(checkpoint, dtype, batch, index, questions, protocol):
     model, tok = load(checkpoint, "cpu", dtype)
     count = counted(model)
     t0 = time.perf_counter()
-    results = evaluate(model, tok, index, questions, batch=batch or len(questions), **protocol)
+    results = evaluate(model, tok, index, questions, protocol, batch or len(questions))
     seconds = time.perf_counter() - t0
     del model.hidden  # the wrapper holds the model: without it the next run's load waits for the GC
     return seconds, count, results
@@ -79,7 +79,7 @@ def main():
         runs.append((name, int(batch)))
     questions = read_questions(args.data, args.limit)
     index = load_index(args.index)
-    protocol = dict(SEARCH_R1_SETTINGS)
+    protocol = SEARCH_R1
     print(f"{args.checkpoint} | {len(questions)} questions of {args.data} | {torch.get_num_threads()} threads "
           f"| {protocol}", flush=True)
     print("| dtype | batch | seconds | speed vs first | decode steps | rows decoded | EM | format | searches/q "

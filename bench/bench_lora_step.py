@@ -30,9 +30,8 @@ def child(args):
     import torch
     torch.set_num_threads(args.threads)
     sys.path[:0] = [HERE, os.path.join(HERE, "bench")]
-    from common import made_trajectories, peak
+    from common import grpo_step, made_trajectories, peak
     import fsdp
-    import grpo
     import lora
     import rollout as R
     from model import Qwen2Config, load
@@ -47,6 +46,8 @@ def child(args):
             fsdp.shard(kl_model, dt)
     if args.rank:
         params = lora.attach(policy, args.rank, 2 * args.rank)
+        if hasattr(fsdp, "sum_grads"):  # from #69 on; before, grpo_step summed them
+            fsdp.sum_grads(params)
     else:
         params = list(policy.parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0)
@@ -62,8 +63,8 @@ def child(args):
             f.write("5")  # the peak starts again from what is resident now
         resident = peak()
         t0 = time.perf_counter()
-        grpo.grpo_step(policy, kl_model, optimizer, trajs, adv, micro_batch=args.micro_batch, clip_ratio=0.2,
-                       kl_coef=0.001, entropy_coef=0.001, temperature=1.0, max_grad_norm=1.0, pad_id=tok.pad_id)
+        grpo_step(policy, kl_model, optimizer, trajs, adv, micro_batch=args.micro_batch, clip_ratio=0.2,
+                  kl_coef=0.001, entropy_coef=0.001, temperature=1.0, max_grad_norm=1.0, pad_id=tok.pad_id)
         out[attempt] = dict(seconds=time.perf_counter() - t0, resident_gb=resident / 1e9, peak_gb=peak() / 1e9)
     held = fsdp.state_bytes(policy, optimizer, kl_model)[0]
     out["state_gb"] = {k: v / 1e9 for k, v in held.items()}

@@ -30,9 +30,12 @@ sys.path.insert(0, ROOT)
 from fsdp import shard, state_bytes, teardown  # noqa: E402
 import grpo  # noqa: E402
 from model import Qwen2, Qwen2Config, load  # noqa: E402
-from rollout import Trajectory, max_response_tokens  # noqa: E402
+from rollout import RolloutConfig, Trajectory, max_response_tokens  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 from common import SIZES, n_params, state_formula  # noqa: E402  (bench/common.py)
+from grpo import GRPOConfig  # noqa: E402
+from evolve import settings  # noqa: E402
+from rollout import token_logprobs  # noqa: E402
 
 GB = 1e9
 # docs/real-scale.md's rollout: 64 trajectories decoded at once, a 300-token prompt, 4 searching turns
@@ -55,8 +58,7 @@ def worker(model_dir, out):
     t = Trajectory("q", 4)
     t.add([1, 2, 3, 4], sampled=False)
     t.add([5, 6, 7, 8], sampled=True, logprobs=[-1.0] * 4)
-    grpo.grpo_step(policy, reference, opt, [t, t], [1.0, -1.0], micro_batch=2, clip_ratio=0.2, kl_coef=0.001,
-                   entropy_coef=0.0, temperature=1.0, max_grad_norm=1.0, pad_id=0)
+    grpo.grpo_step(policy, reference, opt, [t, t], [1.0, -1.0], settings(GRPOConfig, micro_batch=2, clip_ratio=0.2, kl_coef=0.001, entropy_coef=0.0, temperature=1.0, max_grad_norm=1.0), 0)
     held = state_bytes(policy, opt, reference)
     if not dist.is_initialized() or dist.get_rank() == 0:
         with open(out, "w") as f:
@@ -114,7 +116,7 @@ def measured_activations(size, T=256):
     def head(n_loss):  # token_logprobs with n loss tokens: the layer's MLP and the head run only there
         mask = torch.zeros(1, T, dtype=torch.bool)
         mask[0, T - n_loss:] = True
-        return saved_bytes(lambda: grpo.token_logprobs(model, ids, valid, mask, 1.0, entropy=True), model)
+        return saved_bytes(lambda: token_logprobs(model, ids, valid, mask, 1.0, entropy=True), model)
 
     return layer, layer_ckpt, (head(65) - head(33)) / 32
 
@@ -154,7 +156,7 @@ def main():
         print(f"| {size} | {layer / 1e3:.1f} KB | {ckpt / 1e3:.1f} KB | {head / 1e6:.2f} MB |")
 
     toy_tokenizer = Tokenizer(os.path.join(models[0][1], "tokenizer.json"))  # only the invalid-action message's length
-    max_len = PROMPT + max_response_tokens(toy_tokenizer, **TURNS)  # the KV cache of one trajectory, as rollout sizes it
+    max_len = PROMPT + max_response_tokens(toy_tokenizer, RolloutConfig(**TURNS, top_k=3))  # the KV cache of one trajectory, as rollout sizes it
     print(f"\n3. per GPU, GB (rollout_rows={ROLLOUT_ROWS} x {max_len} KV slots; micro-batch {MICRO_TOKENS} tokens, "
           f"{LOSS_TOKENS} of them loss tokens); 'replicated' = every rank holds everything (before FSDP2)\n")
     print("| model | GPUs | layout | parameters | gradients | AdamW | KL model | rollout: gathered bf16 weights "

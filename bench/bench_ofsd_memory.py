@@ -43,10 +43,9 @@ def child(args):
     sys.path[:0] = [HERE, os.path.join(HERE, "bench")]
     import fsdp
     import generate
-    import grpo
     import ofsd
     import rollout as R
-    from common import made_trajectories, peak
+    from common import distill, grpo_step, made_trajectories, max_response_tokens, peak
     from model import load
     from worlds.toyworld import read_jsonl
     t0 = time.time()
@@ -57,9 +56,9 @@ def child(args):
     trajs = made_trajectories(tok, questions[:args.trajectories], 1, 2, 200, 0, R)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6, weight_decay=0.0)
     policy.train()
-    grpo.grpo_step(policy, kl_model, optimizer, trajs, [1.0, -1.0] * (len(trajs) // 2) + [0.0] * (len(trajs) % 2),
-                   micro_batch=4, clip_ratio=0.2, kl_coef=0.001, entropy_coef=0.001, temperature=1.0,
-                   max_grad_norm=1.0, pad_id=tok.pad_id)
+    grpo_step(policy, kl_model, optimizer, trajs, [1.0, -1.0] * (len(trajs) // 2) + [0.0] * (len(trajs) % 2),
+              micro_batch=4, clip_ratio=0.2, kl_coef=0.001, entropy_coef=0.001, temperature=1.0,
+              max_grad_norm=1.0, pad_id=tok.pad_id)
     policy.eval()
     setup_peak = peak()
     if args.regime == "released":  # evolve.py's OFSD branch
@@ -71,7 +70,7 @@ def child(args):
     resident = peak()
     # the mining rollout's KV cache: --rows rows as long as the protocol allows, the prompts prefilled
     prompts = [tok.encode(tok.chat_prompt(R.make_prompt(q))) for q in questions[:args.rows // 5]]
-    max_len = max(map(len, prompts)) + R.max_response_tokens(tok, max_turns=4, max_turn_tokens=200, max_obs_tokens=256)
+    max_len = max(map(len, prompts)) + max_response_tokens(tok, max_turns=4, max_turn_tokens=200, max_obs_tokens=256)
     with torch.no_grad():
         cache = generate.new_cache(policy, args.rows, max_len)
         sub = generate.new_cache(policy, len(prompts), max(map(len, prompts)))
@@ -83,9 +82,9 @@ def child(args):
     pair_trajs = made_trajectories(tok, questions[:2 * args.pairs], 1, 2, 200, 0, R)
     pairs = [ofsd.Pair(ref, stu, True, golds=("x",)) for ref, stu in zip(pair_trajs[::2], pair_trajs[1::2])]
     with torch.enable_grad():
-        ofsd.distill(policy, tok, pairs, ofsd_loss="kl", kl_weight=1.0, lora_rank=16, lora_alpha=32, lora_lr=2e-4, lora_epochs=2, ofsd_micro_batch=4,
-                     tau_clip=0.05, ofsd_clip="none", ofsd_context="full", ofsd_positions="policy",
-                     max_grad_norm=1.0, kl_chunk=256, seed=0)
+        distill(policy, tok, pairs, 0, ofsd_loss="kl", kl_weight=1.0, lora_rank=16, lora_alpha=32, lora_lr=2e-4,
+                lora_epochs=2, ofsd_micro_batch=4, tau_clip=0.05, ofsd_clip="none", ofsd_context="full",
+                ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=256)
     print(json.dumps(dict(regime=args.regime, setup=setup_peak, resident=resident, mining=mining_peak, round=peak(),
                           seconds=time.time() - t0, student=len(pairs[0].stu.tokens),
                           teacher=len(ofsd.pair_sequences(tok, pairs[0].stu, ofsd.privileged(tok, pairs[0], "full")).teacher))))

@@ -27,6 +27,7 @@ import index_build  # noqa: E402
 import retriever  # noqa: E402
 from rollout import ACTION, INVALID, STOP_STRINGS, make_prompt, observation, rollout  # noqa: E402
 from common import SHAPES  # noqa: E402  (bench/common.py)
+from rollout import RolloutConfig  # noqa: E402
 
 QUESTIONS = ["who founded the city of paris", "where was ada lovelace born", "which river flows through tokyo",
              "when was the company founded", "who wrote the book about rivers", "what is the capital of the country",
@@ -98,9 +99,7 @@ def main():
         hf = transformers.Qwen2ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         qs = QUESTIONS[:args.B]
         t0 = time.perf_counter()
-        trajs = rollout(ours, tok, index, qs, args.G, max_turns=args.turns, max_turn_tokens=args.cap,
-                           max_obs_tokens=500, top_k=3, temperature=1.0, top_p=1.0,
-                           generator=torch.Generator().manual_seed(0))
+        trajs = rollout(ours, tok, index, qs, args.G, RolloutConfig(max_turns=args.turns, max_turn_tokens=args.cap, max_obs_tokens=500, top_k=3, temperature=1.0, top_p=1.0), generator=torch.Generator().manual_seed(0))
         t_ours = time.perf_counter() - t0
         n_ours = sum(sum(t.loss_mask) for t in trajs)
         torch.manual_seed(0)

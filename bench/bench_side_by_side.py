@@ -50,7 +50,7 @@ def child(args):
     torch.set_num_threads(args.threads)
     import generate
     import rollout as R
-    from common import made_trajectories  # bench/common.py: the same trajectories for every code version
+    from common import grpo_step, made_trajectories, rollout  # bench/common.py: the same for every code version
     from model import load
     from retriever import load_index
     from worlds.toyworld import read_jsonl
@@ -83,9 +83,9 @@ def child(args):
     extra = dict(compile=True) if args.compile else {}  # compiled: no parts (the wrappers would not be traced)
 
     def sampled(seed):
-        return R.rollout(model, tok, index, questions, args.group, max_turns=args.turns, max_turn_tokens=args.cap,
-                         max_obs_tokens=256, top_k=3, temperature=1.0, top_p=0.95, rollout_rows=args.rollout_rows,
-                         generator=torch.Generator().manual_seed(seed), **extra)
+        return rollout(model, tok, index, questions, args.group, max_turns=args.turns, max_turn_tokens=args.cap,
+                       max_obs_tokens=256, top_k=3, temperature=1.0, top_p=0.95, rollout_rows=args.rollout_rows,
+                       generator=torch.Generator().manual_seed(seed), **extra)
     if args.compile:  # the compiling rollout first, untimed (its shapes are the timed one's)
         sampled(args.seed + 1)
     else:
@@ -104,9 +104,8 @@ def child(args):
         adv = torch.linspace(-1, 1, len(trajs)).tolist()
     t0 = time.perf_counter()
     if args.phase == "train":
-        import grpo
-        grpo.grpo_step(model, kl_model, optimizer, trajs, adv, micro_batch=args.micro_batch, clip_ratio=0.2,
-                       kl_coef=0.001, entropy_coef=0.001, temperature=1.0, max_grad_norm=1.0, pad_id=tok.pad_id)
+        grpo_step(model, kl_model, optimizer, trajs, adv, micro_batch=args.micro_batch, clip_ratio=0.2,
+                  kl_coef=0.001, entropy_coef=0.001, temperature=1.0, max_grad_norm=1.0, pad_id=tok.pad_id)
     else:
         trajs = sampled(args.seed)
     wall = time.perf_counter() - t0

@@ -114,14 +114,59 @@ def decode(model, tokenizer, batch, steps, prompt=256):
 
 
 def grpo_pass(model, batch, length):
-    """Seconds of one forward + backward of the policy's log-probs and entropy (grpo.token_logprobs)."""
-    import grpo
+    """Seconds of one forward + backward of the policy's log-probs and entropy (rollout.token_logprobs)."""
     ids = torch.tensor(prompts(model.config.vocab_size, batch, length, 2))
     valid = torch.ones_like(ids, dtype=torch.bool)
     mask = torch.zeros_like(valid)
     mask[:, -length // 6:] = True  # the policy's tokens: a sixth of a search trajectory
     model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
-    logp, entropy = grpo.token_logprobs(model, ids, valid, mask, 1.0, entropy=True)
+    logp, entropy = token_logprobs()(model, ids, valid, mask, 1.0, entropy=True)
     (-logp.mean() - 0.001 * entropy.mean()).backward()
     return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------------------------
+# the method's calls in the checkout on sys.path[0], whichever side of #69 (settings by name before
+# it; one group, rollout.RolloutConfig / grpo.GRPOConfig / ofsd.OFSDConfig, from it on)
+
+def token_logprobs():
+    """rollout.token_logprobs (grpo.token_logprobs before #69)."""
+    import grpo
+    import rollout
+    return getattr(rollout, "token_logprobs", None) or grpo.token_logprobs
+
+
+def rollout(model, tok, index, questions, group, generator=None, **settings):
+    """rollout.rollout with its settings by name."""
+    import rollout as R
+    if not hasattr(R, "RolloutConfig"):
+        return R.rollout(model, tok, index, questions, group, generator=generator, **settings)
+    return R.rollout(model, tok, index, questions, group, R.RolloutConfig(**settings), generator)
+
+
+def grpo_step(model, kl_model, optimizer, trajs, adv, pad_id, **settings):
+    """grpo.grpo_step with its settings by name (temperature among them)."""
+    import grpo
+    if not hasattr(grpo, "GRPOConfig"):
+        return grpo.grpo_step(model, kl_model, optimizer, trajs, adv, pad_id=pad_id, **settings)
+    import evolve
+    return grpo.grpo_step(model, kl_model, optimizer, trajs, adv, evolve.settings(grpo.GRPOConfig, **settings), pad_id)
+
+
+def distill(model, tok, pairs, seed, **settings):
+    """ofsd.distill with its settings by name (kl_weight: ofsd_kl_weight from #69 on)."""
+    import ofsd
+    if not hasattr(ofsd, "OFSDConfig"):
+        return ofsd.distill(model, tok, pairs, seed=seed, **settings)
+    import evolve
+    settings["ofsd_kl_weight"] = settings.pop("kl_weight")
+    return ofsd.distill(model, tok, pairs, evolve.settings(ofsd.OFSDConfig, **settings), seed)
+
+
+def max_response_tokens(tok, **settings):
+    """rollout.max_response_tokens with its settings by name."""
+    import rollout as R
+    if not hasattr(R, "RolloutConfig"):
+        return R.max_response_tokens(tok, **settings)
+    return R.max_response_tokens(tok, R.RolloutConfig(**settings, top_k=3))

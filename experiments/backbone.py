@@ -22,7 +22,7 @@ import retriever  # noqa: E402
 from worlds import toyagent  # noqa: E402
 from eval import evaluate, summarize  # noqa: E402  (the project's greedy evaluation)
 from model import load  # noqa: E402
-from rollout import exact_match, rollout  # noqa: E402
+from rollout import RolloutConfig, exact_match, rollout  # noqa: E402
 from worlds.toyworld import TYPES, read_jsonl  # noqa: E402
 
 
@@ -34,10 +34,10 @@ def backbone_stats(world_dir, *, group_size, temperature, max_turns, max_turn_to
     model, tok = load(os.path.join(world_dir, "backbone"))
     index = retriever.load_index(os.path.join(world_dir, "index"))
     test = read_jsonl(os.path.join(world_dir, "test.jsonl"))
-    args = dict(max_turns=max_turns, max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens, top_k=top_k)
-    greedy = summarize(evaluate(model, tok, index, test, batch=len(test), **args), "type")
-    trajs = rollout(model, tok, index, [q["question"] for q in test], group_size, temperature=temperature, top_p=1.0,
-                       generator=torch.Generator().manual_seed(seed), **args)
+    cfg = RolloutConfig(max_turns=max_turns, max_turn_tokens=max_turn_tokens, max_obs_tokens=max_obs_tokens, top_k=top_k,
+                        temperature=temperature)
+    greedy = summarize(evaluate(model, tok, index, test, cfg, len(test)), "type")
+    trajs = rollout(model, tok, index, [q["question"] for q in test], group_size, cfg, torch.Generator().manual_seed(seed))
     mixed, none_right, right = 0, 0, []  # right: (searches, hops) of each correct sample
     for i, q in enumerate(test):
         group = trajs[i * group_size:(i + 1) * group_size]

@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import PROTOCOL, mined_pairs, policy, provenance  # noqa: E402
+from rollout import RolloutConfig  # noqa: E402
 from eval import read_questions  # noqa: E402
 from evolve import DEFAULTS  # noqa: E402
 import fsdp  # noqa: E402
@@ -76,14 +77,14 @@ def main():
     index = retriever.load_index(os.path.join(world_dir, "index"))
     width = Qwen2Config.from_json(os.path.join(lora.base_dir(args.checkpoint), "config.json")).hidden_size
     _, _, dev, dt = fsdp.setup("auto", args.dtype, width)
-    rollout_args = {k: getattr(args, k) for k in PROTOCOL}
+    rollout_args = RolloutConfig(**{k: getattr(args, k) for k in PROTOCOL})
     model, tok = policy(args.checkpoint, dev, dt)
 
     def mine_them():
         train = read_questions(os.path.join(world_dir, "train.jsonl"))
         questions = random.Random(args.seed).sample(train, min(args.questions, len(train)))
-        return ofsd.mine_round(model, tok, index, questions, group_size=args.group_size, rollout_args=rollout_args,
-                               generator=torch.Generator(device=dev).manual_seed(args.seed), ofsd_students="any"), {}
+        return ofsd.mine_round(model, tok, index, questions, args.group_size, rollout_args,
+                               torch.Generator(device=dev).manual_seed(args.seed), "any"), {}
 
     mined, _, _ = mined_pairs(args.pairs, mine_them)
     if args.out and os.path.exists(args.out):  # resumed: the contexts this pairs file already has a row for

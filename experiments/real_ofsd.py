@@ -56,6 +56,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import PROTOCOL, cell, machine, mined_pairs, policy, provenance, saved_diagnostics, stats  # noqa: E402
+from rollout import RolloutConfig  # noqa: E402
 from eval import evaluate, read_questions, summarize  # noqa: E402
 from evolve import DEFAULTS  # noqa: E402  (the loop's settings as written)
 import fsdp  # noqa: E402
@@ -72,9 +73,9 @@ ROUND = ("lora_rank", "lora_alpha", "lora_lr", "lora_epochs", "ofsd_micro_batch"
 
 
 def test_em(model, tok, index, test, protocol, batch):
-    """(the summary by type, each test question's EM in order: what a paired rule compares)."""
+    """(the summary by type, each test question's EM in order: what a paired rule compares), greedy."""
     with fsdp.gathered(model):
-        results = evaluate(model, tok, index, test, batch=batch, **protocol)
+        results = evaluate(model, tok, index, test, protocol, batch)
     return summarize(results, "type"), [r["em"] for r in results]
 
 
@@ -217,8 +218,7 @@ def main():
     test = read_questions(os.path.join(world_dir, "test.jsonl"), args.test)
     width = Qwen2Config.from_json(os.path.join(lora.base_dir(args.checkpoint), "config.json")).hidden_size
     _, _, dev, dt = fsdp.setup("auto", args.dtype, width)
-    rollout_args = {k: getattr(args, k) for k in PROTOCOL}
-    protocol = {k: v for k, v in rollout_args.items() if k not in ("temperature", "top_p")}  # greedy eval's
+    rollout_args = RolloutConfig(**{k: getattr(args, k) for k in PROTOCOL})
     round_args = {k: getattr(args, k) for k in ROUND + VIEW}
     context = args.ofsd_context
     print(f"{args.checkpoint} | {dt} | {torch.get_num_threads()} threads | {len(test)} test questions "
@@ -235,8 +235,8 @@ def main():
         def mine_them():
             model, tok = policy(args.checkpoint, dev, dt)
             questions = random.Random(seed).sample(train, min(args.questions, len(train)))
-            mined = ofsd.mine_round(model, tok, index, questions, group_size=args.group_size, rollout_args=rollout_args,
-                                    generator=torch.Generator(device=dev).manual_seed(seed), ofsd_students="any")
+            mined = ofsd.mine_round(model, tok, index, questions, args.group_size, rollout_args,
+                                    torch.Generator(device=dev).manual_seed(seed), "any")
             before = teacher_gap.before_round(model, tok, index, mined, rollout_args, args.kl_chunk, context)
             return mined, dict(before, context=context, machine=machine())
 
@@ -264,8 +264,8 @@ def main():
                 f"seed {seed} | {arm} | epoch {epoch} | step {n:4d} | loss {loss:.5f} | {time.time() - t1:.0f}s", flush=True)
             if arm != "none-round":  # rft: tau_ref's NLL (ofsd_loss nll); rft-kl: plus the plain KL (nll_kl)
                 loss, clip = dict(rft=("nll", "none"), **{"rft-kl": ("nll_kl", "none")}).get(arm, ("kl", arm[5:]))
-                m = ofsd.distill(model, tok, mined, ofsd_loss=loss, kl_weight=args.kl_weight, ofsd_clip=clip, seed=seed,
-                                 log=log, **round_args)
+                cfg = ofsd.OFSDConfig(ofsd_loss=loss, ofsd_kl_weight=args.kl_weight, ofsd_clip=clip, **round_args)
+                m = ofsd.distill(model, tok, mined, cfg, seed, log=log)
             else:
                 m = {}
             if arm != "none-round" and mined:
@@ -273,7 +273,7 @@ def main():
                     em, searches = teacher_gap.greedy_scores(model, tok, index, mined, rollout_args,
                                                              context if view == "teacher" else None)
                     m.update(teacher_gap.split_em(name, em, mined), **{f"{view}_searches_after": sum(searches) / len(mined)})
-            summary, by_question = test_em(model, tok, index, test, protocol, args.eval_batch)
+            summary, by_question = test_em(model, tok, index, test, rollout_args, args.eval_batch)
             training = None if arm == "none-round" else dict(
                 {k: getattr(args, k) for k in ROUND}, steps=len(m.get("losses", [])), activation_checkpointing=recompute)
             row = dict(policy=args.policy, seed=seed, arm=arm, mined=len(mined), before=before, test=summary,

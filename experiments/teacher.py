@@ -39,7 +39,7 @@ from worlds import toyagent  # noqa: E402
 from model import Qwen2Config, load  # noqa: E402
 from ofsd import mine  # noqa: E402
 from teacher_gap import greedy_scores  # noqa: E402
-from rollout import rollout  # noqa: E402
+from rollout import RolloutConfig, rollout  # noqa: E402
 
 
 
@@ -48,9 +48,8 @@ def headroom(folder, index, questions, rollout_args, group_size, seed, dtype):
     t0 = time.time()
     width = Qwen2Config.from_json(os.path.join(folder, "config.json")).hidden_size
     model, tok = load(folder, *fsdp.device_and_dtype("auto", dtype, width))
-    with torch.no_grad():
-        trajs = rollout(model, tok, index, [q["question"] for q in questions], group_size,
-                        generator=torch.Generator().manual_seed(seed), **rollout_args)
+    trajs = rollout(model, tok, index, [q["question"] for q in questions], group_size, rollout_args,
+                    torch.Generator().manual_seed(seed))
     mined = mine(trajs, questions, group_size)
     kind_of = {q["question"]: q.get("type", "-") for q in questions}
     student, _ = greedy_scores(model, tok, index, mined, rollout_args)
@@ -87,7 +86,7 @@ def main():
     index = retriever.load_index(index_dir)
     pool = [q for path in questions_file.split(",") for q in read_questions(path)]
     questions = random.Random(args.seed).sample(pool, min(args.questions, len(pool)))
-    rollout_args = {k: getattr(args, k) for k in PROTOCOL}
+    rollout_args = RolloutConfig(**{k: getattr(args, k) for k in PROTOCOL})
     print(f"{len(questions)} questions of {questions_file} x {args.group_size} samples; {rollout_args}")
     print("| checkpoint | split | mined | student EM | teacher EM | teacher - student |\n|---|---|---|---|---|---|")
     for folder in args.checkpoints or [backbone]:

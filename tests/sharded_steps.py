@@ -7,7 +7,8 @@ Every process builds the same 12 trajectories (4 questions x G=3) from the check
 tokenizer, with recorded log-probs a little off the model's (so the PPO clip acts); rank r takes
 questions r, r + N, ... for each GRPO step; the OFSD round distils 4 fixed pairs. Rank 0 saves
 the step metrics, the OFSD losses, every rank's state_bytes and the full weights after each
-phase to OUT.pt; the OFSD round runs once per clip mode, one after the other.
+phase to OUT.pt; the OFSD round runs once per clip mode, one after the other; then two GRPO
+steps through a LoRA adapter.
 """
 
 import copy
@@ -21,9 +22,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fsdp  # noqa: E402
 import grpo  # noqa: E402
 from model import load  # noqa: E402
+import lora  # noqa: E402
 import ofsd  # noqa: E402
 from clipped_kl import CLIPS  # noqa: E402
-from rollout import Trajectory, make_prompt  # noqa: E402
+from evolve import settings  # noqa: E402
+from rollout import Trajectory, make_prompt, pad_batch, token_logprobs  # noqa: E402
 
 QUESTIONS = ["which river flows through Paris", "who founded Tokyo", "which lake is near London",
              "when was Ada Lovelace born"]
@@ -44,9 +47,9 @@ def trajectories(model, tokenizer, shift):
                 t.add(torch.randint(3, 300, (n,), generator=gen).tolist(), sampled=sampled)
             trajs.append(t)
     for t in trajs:  # recorded log-probs: the model's own, shifted by up to +-shift
-        ids, valid, mask, _ = grpo.pad_batch([t], tokenizer.pad_id, "cpu")
+        ids, valid, mask, _ = pad_batch([t], tokenizer.pad_id, "cpu")
         with torch.no_grad():
-            lp = grpo.token_logprobs(model, ids, valid, mask, 1.0)
+            lp = token_logprobs(model, ids, valid, mask, 1.0)
         lp = lp + shift * (2 * torch.rand(lp.shape, generator=gen) - 1)
         it = iter(lp.tolist())
         t.logprobs = [next(it) if m else 0.0 for m in t.loss_mask]
@@ -58,9 +61,9 @@ def plain_step(model, dtype, trajs, advantages, pad_id):
     an unsharded copy of `model`, in one pass over `trajs`: loss, grads, and per policy token its
     log-prob, entropy and advantage (n,). On a bfloat16 copy, this is what rounding alone does."""
     model = copy.deepcopy(model).to(dtype)
-    ids, valid, mask, old = grpo.pad_batch(trajs, pad_id, "cpu")
+    ids, valid, mask, old = pad_batch(trajs, pad_id, "cpu")
     adv = torch.tensor(advantages)[:, None].expand_as(mask)[:, 1:][mask[:, 1:]]  # (n,)
-    logp, entropy = grpo.token_logprobs(model, ids, valid, mask, 1.0, entropy=True)
+    logp, entropy = token_logprobs(model, ids, valid, mask, 1.0, entropy=True)
     old = old[:, 1:][mask[:, 1:]]  # (n,) the recorded log-probs: pi_old
     loss = grpo.grpo_token_loss(logp, old, logp.detach(), adv, 0.2, 0.01, entropy, 0.01)[0].mean()
     loss.backward()
@@ -92,11 +95,12 @@ def main():
          for n, p in policy.named_parameters()}))
     mine = [i * G + j for i in range(rank, len(QUESTIONS), world) for j in range(G)]
     steps, weights = [], [fsdp.full_state_dict(policy)]
+    step_cfg = settings(grpo.GRPOConfig, micro_batch=2, clip_ratio=0.2, kl_coef=0.01, entropy_coef=0.01,
+                        temperature=1.0, max_grad_norm=1.0)
     policy.train()
     for _ in range(3):
         steps.append(grpo.grpo_step(policy, reference, optimizer, [trajs[i] for i in mine], [adv[i] for i in mine],
-                                    micro_batch=2, clip_ratio=0.2, kl_coef=0.01, entropy_coef=0.01,
-                                    temperature=1.0, max_grad_norm=1.0, pad_id=tokenizer.pad_id))
+                                    step_cfg, tokenizer.pad_id))
         weights.append(fsdp.full_state_dict(policy))
     policy.eval()
     held = fsdp.state_bytes(policy, optimizer, reference)
@@ -104,13 +108,27 @@ def main():
     pairs = [ofsd.Pair(trajs[g * G], trajs[g * G + 1], True) for g in range(len(QUESTIONS))]
     rounds, after_ofsd = {}, {}
     for clip in CLIPS:  # one round per clip mode, one after the other (each merges into the policy)
-        rounds[clip] = ofsd.distill(policy, tokenizer, pairs, ofsd_loss="kl", kl_weight=1.0, lora_rank=4, lora_alpha=8, lora_lr=1e-2, lora_epochs=2,
-                                    ofsd_micro_batch=2, tau_clip=0.05, ofsd_clip=clip, ofsd_context="full",
-                                    ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=7, seed=0)
+        cfg = settings(ofsd.OFSDConfig, ofsd_loss="kl", ofsd_kl_weight=1.0, lora_rank=4, lora_alpha=8, lora_lr=1e-2,
+                       lora_epochs=2, ofsd_micro_batch=2, tau_clip=0.05, ofsd_clip=clip, ofsd_context="full",
+                       ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=7)
+        rounds[clip] = ofsd.distill(policy, tokenizer, pairs, cfg, seed=0)
         after_ofsd[clip] = fsdp.full_state_dict(policy)
+    # GRPO through LoRA (evolve.py's KLModel): an adapter replicated on every rank, its gradient summed
+    # over the ranks, the KL term's model the policy with the adapter off; two steps
+    adapter = lora.attach(policy, 4, 8)
+    fsdp.sum_grads(adapter)
+    with torch.no_grad():  # B = 0 at attach: move it, so that the KL term and the adapter's A gradient are not 0
+        for p in adapter[1::2]:
+            p.copy_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    lora_opt = torch.optim.AdamW(adapter, lr=1e-3, weight_decay=0.0)
+    policy.train()
+    lora_steps = [grpo.grpo_step(policy, None, lora_opt, [trajs[i] for i in mine], [adv[i] for i in mine], step_cfg,
+                                 tokenizer.pad_id) for _ in range(2)]
+    policy.eval()
+    lora_adapter = [p.detach().clone() for p in adapter]
     if rank == 0:
         torch.save(dict(steps=steps, weights=weights, grads=grads, plain=plain, ofsd=rounds, state_bytes=held,
-                        after_grpo=after_grpo, after_ofsd=after_ofsd), out)
+                        after_grpo=after_grpo, after_ofsd=after_ofsd, lora_steps=lora_steps, lora_adapter=lora_adapter), out)
     fsdp.teardown()
 
 

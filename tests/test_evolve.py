@@ -142,7 +142,8 @@ def test_help_lists_every_setting_with_its_default_and_comment():
         assert len(mine) == 1, key
         source = next(line for line in open(os.path.join(ROOT, "evolve.py")) if line.startswith(f"{key} = "))
         assert mine[0].split(None, 1)[1].strip() == source.split("# ", 1)[1].strip(), key
-    assert "each marked correct or incorrect" in p.stdout  # a continuation line of a comment
+    e = subprocess.run([sys.executable, "eval.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert "so few large batches" in e.stdout  # a comment's continuation line (eval.py's --batch)
     assert "PRIVILEGED" not in ev.config_keys and "--PRIVILEGED" not in p.stdout
 
 

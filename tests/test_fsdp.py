@@ -81,6 +81,18 @@ def test_two_ranks_match_one_process_in_float64(steps):
         assert max_diff(before, one["after_ofsd"][clip]) > 1e-3  # this round's merge changed the weights
 
 
+def test_two_ranks_lora_grpo_steps_match_one_process_in_float64(steps):
+    """GRPO through a LoRA adapter (replicated, its gradient summed over the ranks as backward makes
+    it) on 2 ranks: 1 process's losses, gradient norms and adapter, to 1e-10."""
+    one, two = steps["one_f64"], steps["two_f64"]
+    for a, b in zip(one["lora_steps"], two["lora_steps"], strict=True):
+        assert a["tokens"] == b["tokens"] and abs(a["loss"] - b["loss"]) <= 1e-10 * max(1.0, abs(a["loss"]))
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-10 * max(1.0, a["grad_norm"])
+    assert one["lora_steps"][1]["kl"] > 0  # the adapter moved the policy away from its adapter-off self
+    for p, q in zip(one["lora_adapter"], two["lora_adapter"], strict=True):
+        assert (p - q).abs().max() <= 1e-10
+
+
 def test_two_ranks_float32_step_is_within_rounding(steps):
     """In float32, the first GRPO step's loss and gradient on 2 ranks are as near the float64 ones as 1 process's."""
     # Only the first step: after it AdamW turns a rounding-sized difference of a near-zero gradient into

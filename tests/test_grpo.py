@@ -10,6 +10,9 @@ import grpo
 import rollout
 from conftest import AGENT_QUESTION
 from test_rollout import run
+from grpo import GRPOConfig
+from evolve import settings
+from rollout import pad_batch, token_logprobs
 
 
 @pytest.mark.parametrize("pred,golds,want", [
@@ -62,15 +65,14 @@ def test_policy_equal_to_kl_model(agent, tokenizer, search_index):
     """On fresh rollouts with policy = KL model: ratio = 1, KL = 0, pg = -mean token advantage."""
     trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION, "Ada"], G=3, temperature=1.0,
                 generator=torch.Generator().manual_seed(0))
-    ids, valid, mask, old = grpo.pad_batch(trajs, 0, "cpu")
+    ids, valid, mask, old = pad_batch(trajs, 0, "cpu")
     with torch.no_grad():
-        logp = grpo.token_logprobs(agent, ids, valid, mask, 1.0)
+        logp = token_logprobs(agent, ids, valid, mask, 1.0)
     assert (logp - old[:, 1:][mask[:, 1:]]).abs().max() <= 1e-4
     policy = copy.deepcopy(agent)
     adv = [1.0, -1.0, 0.5, 0.0, 2.0, -0.5]
     opt = torch.optim.SGD(policy.parameters(), lr=0.001)
-    m = grpo.grpo_step(policy, agent, opt, trajs, adv, micro_batch=4, clip_ratio=0.2, kl_coef=0.001,
-                     entropy_coef=0.0, temperature=1.0, max_grad_norm=1.0, pad_id=0)
+    m = grpo.grpo_step(policy, agent, opt, trajs, adv, settings(GRPOConfig, micro_batch=4, clip_ratio=0.2, kl_coef=0.001, entropy_coef=0.0, temperature=1.0, max_grad_norm=1.0), 0)
     lengths = [sum(t.loss_mask) for t in trajs]
     want_pg = -sum(a * n for a, n in zip(adv, lengths)) / sum(lengths)
     assert abs(m["kl"]) <= 1e-6 and m["clip_frac"] == 0.0 and abs(m["pg"] - want_pg) <= 1e-4
@@ -83,13 +85,12 @@ def test_step_moves_toward_advantaged_samples(agent, tokenizer, search_index):
     policy = copy.deepcopy(agent)
     adv = [1.0, 1.0, 1.0, 1.0]
     opt = torch.optim.SGD(policy.parameters(), lr=0.001)
-    ids, valid, mask, _ = grpo.pad_batch(trajs, 0, "cpu")
+    ids, valid, mask, _ = pad_batch(trajs, 0, "cpu")
     with torch.no_grad():
-        before = grpo.token_logprobs(policy, ids, valid, mask, 1.0).sum()
-    grpo.grpo_step(policy, agent, opt, trajs, adv, micro_batch=2, clip_ratio=0.2, kl_coef=0.001,
-                 entropy_coef=0.0, temperature=1.0, max_grad_norm=1.0, pad_id=0)
+        before = token_logprobs(policy, ids, valid, mask, 1.0).sum()
+    grpo.grpo_step(policy, agent, opt, trajs, adv, settings(GRPOConfig, micro_batch=2, clip_ratio=0.2, kl_coef=0.001, entropy_coef=0.0, temperature=1.0, max_grad_norm=1.0), 0)
     with torch.no_grad():
-        assert grpo.token_logprobs(policy, ids, valid, mask, 1.0).sum() > before
+        assert token_logprobs(policy, ids, valid, mask, 1.0).sum() > before
 
 
 def test_kl_term_against_a_moved_kl_model(agent, tokenizer, search_index):
@@ -102,7 +103,7 @@ def test_kl_term_against_a_moved_kl_model(agent, tokenizer, search_index):
     with torch.no_grad():
         for p in moved.parameters():
             p.add_(0.03 * torch.randn(p.shape, generator=g))
-    ids, valid, mask, old = grpo.pad_batch(trajs, 0, "cpu")
+    ids, valid, mask, old = pad_batch(trajs, 0, "cpu")
     pred = mask[:, 1:]
     with torch.no_grad():
         lp = [torch.log_softmax(m(ids, valid=valid)[:, :-1].double(), -1).gather(-1, ids[:, 1:, None])[..., 0][pred]
@@ -112,8 +113,7 @@ def test_kl_term_against_a_moved_kl_model(agent, tokenizer, search_index):
     assert want > 1e-3  # the KL model has really moved
     policy = copy.deepcopy(agent)
     opt = torch.optim.SGD(policy.parameters(), lr=0.0)
-    m = grpo.grpo_step(policy, moved, opt, trajs, [0.0] * len(trajs), micro_batch=4, clip_ratio=0.2, kl_coef=0.5,
-                     entropy_coef=0.0, temperature=1.0, max_grad_norm=1.0, pad_id=0)
+    m = grpo.grpo_step(policy, moved, opt, trajs, [0.0] * len(trajs), settings(GRPOConfig, micro_batch=4, clip_ratio=0.2, kl_coef=0.5, entropy_coef=0.0, temperature=1.0, max_grad_norm=1.0), 0)
     assert abs(m["kl"] - want) <= 1e-5 * max(1.0, want)
     assert abs(m["loss"] - (m["pg"] + 0.5 * m["kl"])) <= 1e-6
 
@@ -123,7 +123,7 @@ def test_chunked_head_matches_full_logits(agent, tokenizer, search_index):
     entropies and parameter gradients of one float64 log-softmax over the full (B, T, V) logits."""
     trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION, "Ada"], G=2, temperature=1.0,
                 generator=torch.Generator().manual_seed(3))
-    ids, valid, mask, _ = grpo.pad_batch(trajs, 0, "cpu")
+    ids, valid, mask, _ = pad_batch(trajs, 0, "cpu")
     pred = mask[:, 1:]
     assert pred.sum() > 3 * 7  # several chunks, the last one partial
     models = [copy.deepcopy(agent).double(), copy.deepcopy(agent)]
@@ -131,7 +131,7 @@ def test_chunked_head_matches_full_logits(agent, tokenizer, search_index):
     ref = torch.log_softmax(models[0](ids, valid=valid)[:, :-1] / 0.8, -1)  # (B, T-1, V)
     ref_lp, ref_ent = ref.gather(-1, ids[:, 1:, None])[..., 0][pred], -(ref.exp() * ref).sum(-1)[pred]  # (n,)
     (w @ ref_lp + w @ ref_ent).backward()
-    lp, ent = grpo.token_logprobs(models[1], ids, valid, mask, 0.8, entropy=True, chunk=7)
+    lp, ent = token_logprobs(models[1], ids, valid, mask, 0.8, entropy=True, chunk=7)
     (w.float() @ lp + w.float() @ ent).backward()
     assert torch.allclose(lp.double(), ref_lp, atol=1e-5) and torch.allclose(ent.double(), ref_ent, atol=1e-5)
     for (name, p64), p32 in zip(models[0].named_parameters(), models[1].parameters()):
@@ -158,7 +158,7 @@ def test_micro_batched_step_is_one_float64_pass(agent, tokenizer, search_index):
         for p in kl_model.parameters():
             p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1), dtype=p.dtype))
     ref = copy.deepcopy(policy)
-    ids, valid, mask, old = grpo.pad_batch(trajs, 0, "cpu")
+    ids, valid, mask, old = pad_batch(trajs, 0, "cpu")
     pred = mask[:, 1:]
     logp_all = torch.log_softmax(ref(ids, valid=valid)[:, :-1], -1)  # (B, T-1, V)
     logp = logp_all.gather(-1, ids[:, 1:, None])[..., 0][pred]  # (n,)
@@ -169,8 +169,7 @@ def test_micro_batched_step_is_one_float64_pass(agent, tokenizer, search_index):
     want = grpo.grpo_token_loss(logp, old[:, 1:][pred].double(), kl_lp, a, 0.2, 0.1, entropy, 0.01)[0].mean()
     want.backward()
     opt = torch.optim.SGD(policy.parameters(), lr=0.0)
-    m = grpo.grpo_step(policy, kl_model, opt, trajs, adv, micro_batch=2, clip_ratio=0.2, kl_coef=0.1, entropy_coef=0.01,
-                       temperature=1.0, max_grad_norm=1e9, pad_id=0)
+    m = grpo.grpo_step(policy, kl_model, opt, trajs, adv, settings(GRPOConfig, micro_batch=2, clip_ratio=0.2, kl_coef=0.1, entropy_coef=0.01, temperature=1.0, max_grad_norm=1e9), 0)
     assert abs(m["loss"] - want.item()) <= 1e-10
     for (name, p), q in zip(policy.named_parameters(), ref.parameters()):
         assert (p.grad - q.grad).abs().max() <= 1e-10 * max(1.0, q.grad.abs().max()), name

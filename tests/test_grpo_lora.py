@@ -14,6 +14,9 @@ from conftest import AGENT_QUESTION
 from model import save
 from test_evolve import evolve as run_evolve
 from test_rollout import run
+from grpo import GRPOConfig
+from evolve import settings
+from rollout import pad_batch, token_logprobs
 
 
 
@@ -25,8 +28,7 @@ def lora_step(agent, tokenizer, search_index, seed=0):
     torch.manual_seed(seed)
     adapter = lora.attach(policy, 4, 8)
     opt = torch.optim.AdamW(adapter, lr=1e-2, weight_decay=0.0)
-    m = grpo.grpo_step(policy, None, opt, trajs, [1.0, -1.0, 0.5, 0.0, 2.0, -0.5], micro_batch=4, clip_ratio=0.2,
-                       kl_coef=0.1, entropy_coef=0.0, temperature=1.0, max_grad_norm=1.0, pad_id=0)
+    m = grpo.grpo_step(policy, None, opt, trajs, [1.0, -1.0, 0.5, 0.0, 2.0, -0.5], settings(GRPOConfig, micro_batch=4, clip_ratio=0.2, kl_coef=0.1, entropy_coef=0.0, temperature=1.0, max_grad_norm=1.0), 0)
     assert m["tokens"] > 0
     return policy, adapter, trajs
 
@@ -45,11 +47,11 @@ def test_kl_reference_with_the_adapter_off_is_the_round_start(agent, tokenizer, 
     """The KL term's model of a LoRA step (the policy, adapter off) gives the log-probs of a separate copy of the
     round's starting policy, while the adapted policy has moved."""
     policy, _, trajs = lora_step(agent, tokenizer, search_index)
-    ids, valid, mask, _ = grpo.pad_batch(trajs, 0, "cpu")
+    ids, valid, mask, _ = pad_batch(trajs, 0, "cpu")
     with torch.no_grad(), lora.disabled(policy):
-        off = grpo.token_logprobs(policy, ids, valid, mask, 1.0)
+        off = token_logprobs(policy, ids, valid, mask, 1.0)
     with torch.no_grad():
-        start, moved = (grpo.token_logprobs(m, ids, valid, mask, 1.0) for m in (copy.deepcopy(agent), policy))
+        start, moved = (token_logprobs(m, ids, valid, mask, 1.0) for m in (copy.deepcopy(agent), policy))
     assert torch.equal(off, start)
     assert (moved - start).abs().max() > 1e-3
 
@@ -58,8 +60,7 @@ def test_a_moved_adapter_has_a_kl_term(agent, tokenizer, search_index):
     """After a LoRA step moved the adapter, the next step's KL term (to the policy with the adapter off) is not 0."""
     policy, adapter, trajs = lora_step(agent, tokenizer, search_index)
     opt = torch.optim.AdamW(adapter, lr=1e-2, weight_decay=0.0)
-    m = grpo.grpo_step(policy, None, opt, trajs, [1.0, -1.0, 0.5, 0.0, 2.0, -0.5], micro_batch=4, clip_ratio=0.2,
-                       kl_coef=0.1, entropy_coef=0.0, temperature=1.0, max_grad_norm=1.0, pad_id=0)
+    m = grpo.grpo_step(policy, None, opt, trajs, [1.0, -1.0, 0.5, 0.0, 2.0, -0.5], settings(GRPOConfig, micro_batch=4, clip_ratio=0.2, kl_coef=0.1, entropy_coef=0.0, temperature=1.0, max_grad_norm=1.0), 0)
     assert m["kl"] > 1e-6
 
 
@@ -79,7 +80,7 @@ def test_base_and_chain_reloaded_give_the_policy(agent, tokenizer, search_index,
     lora.save_policy(str(tmp_path / "policy"), chain)
     assert json.load(open(tmp_path / "policy" / "policy.json"))["adapters"] == ["adapters/00-grpo", "adapters/01-ofsd"]
     reloaded, _ = lora.load_policy(str(tmp_path / "policy"))
-    ids, valid, _, _ = grpo.pad_batch(trajs, 0, "cpu")
+    ids, valid, _, _ = pad_batch(trajs, 0, "cpu")
     with torch.no_grad():
         assert torch.allclose(reloaded(ids, valid=valid), policy(ids, valid=valid), atol=1e-5, rtol=0)
     with torch.no_grad():

@@ -1,6 +1,7 @@
 """ofsd.py: pair mining rules, teacher/student conditioning, and the OFSD round on a real model."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -9,9 +10,12 @@ import lora
 from model import pad_right
 import ofsd
 import rollout
+from rollout import RolloutConfig
 import teacher_gap
 from conftest import AGENT_QUESTION, random_model, tiny_config
 from test_rollout import run
+from ofsd import OFSDConfig
+from evolve import settings
 
 
 def traj(policy, n_search=0, question="q"):
@@ -127,9 +131,7 @@ def test_round_lowers_kl_and_merges(agent, tokenizer, search_index):
 
     ofsd.lora.merge = spy_merge
     try:
-        out = ofsd.distill(model, tokenizer, pairs, ofsd_loss="kl", kl_weight=1.0, lora_rank=4, lora_alpha=8, lora_lr=5e-3, lora_epochs=8,
-                           ofsd_micro_batch=2, tau_clip=1.0, ofsd_clip="vocab", ofsd_context="full",
-                           ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=256, seed=0)
+        out = ofsd.distill(model, tokenizer, pairs, settings(OFSDConfig, ofsd_loss="kl", ofsd_kl_weight=1.0, lora_rank=4, lora_alpha=8, lora_lr=5e-3, lora_epochs=8, ofsd_micro_batch=2, tau_clip=1.0, ofsd_clip="vocab", ofsd_context="full", ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=256), seed=0)
     finally:
         ofsd.lora.merge = original
     assert out["pairs"] == 2 and out["incorrect_students"] == 1
@@ -183,13 +185,10 @@ def test_round_reports_its_diagnostics(agent, tokenizer, search_index):
     model = copy.deepcopy(agent)
     questions = [{"question": AGENT_QUESTION, "golden_answers": ["Paris"]},
                  {"question": "which lake is near London", "golden_answers": ["Paris"]}]
-    args = dict(max_turns=2, max_turn_tokens=40, max_obs_tokens=400, top_k=3, temperature=1.0, top_p=1.0)
-    pairs = ofsd.mine_round(model, tokenizer, search_index, questions, group_size=4, rollout_args=args,
-                            generator=torch.Generator().manual_seed(0), ofsd_students="any")
+    args = RolloutConfig(max_turns=2, max_turn_tokens=40, max_obs_tokens=400, top_k=3, temperature=1.0, top_p=1.0)
+    pairs = ofsd.mine_round(model, tokenizer, search_index, questions, 4, args, torch.Generator().manual_seed(0), "any")
     gap = teacher_gap.before_round(model, tokenizer, search_index, pairs, args, 64, "full")
-    m = ofsd.distill(model, tokenizer, pairs, ofsd_loss="kl", kl_weight=1.0, lora_rank=4, lora_alpha=8, lora_lr=1e-3,
-                     lora_epochs=1, ofsd_micro_batch=2, tau_clip=0.05, ofsd_clip="vocab", ofsd_context="full",
-                     ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=64, seed=0)
+    m = ofsd.distill(model, tokenizer, pairs, settings(OFSDConfig, ofsd_loss="kl", ofsd_kl_weight=1.0, lora_rank=4, lora_alpha=8, lora_lr=1e-3, lora_epochs=1, ofsd_micro_batch=2, tau_clip=0.05, ofsd_clip="vocab", ofsd_context="full", ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=64), seed=0)
     m.update(gap, **teacher_gap.after_round(model, tokenizer, search_index, pairs, args))
     assert m["pairs"] >= 1
     for key in ("teacher_em", "student_em", "mined_em_before", "mined_em_after", "disagree"):
@@ -205,12 +204,12 @@ def test_greedy_scores_read_each_view(agent, tokenizer, search_index):
     and counts its own searches."""
     trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION, "which lake is near London", "who founded Tokyo"],
                 G=3, temperature=1.3, generator=torch.Generator().manual_seed(0))
-    args = dict(max_turns=2, max_turn_tokens=40, max_obs_tokens=400, top_k=3, temperature=1.0, top_p=1.0)
+    args = RolloutConfig(max_turns=2, max_turn_tokens=40, max_obs_tokens=400, top_k=3, temperature=1.0, top_p=1.0)
     pairs = [ofsd.Pair(trajs[i], trajs[i + 1], True) for i in range(0, len(trajs), 3)]
     views = {}
     for view, contexts in (("student", None), ("teacher", [ofsd.privileged(tokenizer, p, "full") for p in pairs])):
-        direct = rollout.rollout(agent, tokenizer, search_index, [p.stu.question for p in pairs], 1, contexts=contexts,
-                                 generator=None, **dict(args, temperature=0.0))
+        direct = rollout.rollout(agent, tokenizer, search_index, [p.stu.question for p in pairs], 1,
+                                 dataclasses.replace(args, temperature=0.0), contexts=contexts)
         views[view] = [t.answer for t in direct]
         views[view + " searches"] = [t.n_search for t in direct]
     changed = [i for i, (a, b) in enumerate(zip(views["student"], views["teacher"])) if a != b]
@@ -230,9 +229,9 @@ def test_round_with_incorrect_students_only(agent, tokenizer, search_index):
                  {"question": "which lake is near London", "golden_answers": ["Paris"]}] * 2
     counts = {}
     for students in ("any", "incorrect"):
-        pairs = ofsd.mine_round(agent, tokenizer, search_index, questions, group_size=4, ofsd_students=students,
-                                rollout_args=dict(max_turns=2, max_turn_tokens=40, max_obs_tokens=400, top_k=3,
-                                                  temperature=0.5, top_p=1.0), generator=torch.Generator().manual_seed(1))
+        cfg = RolloutConfig(max_turns=2, max_turn_tokens=40, max_obs_tokens=400, top_k=3, temperature=0.5, top_p=1.0)
+        pairs = ofsd.mine_round(agent, tokenizer, search_index, questions, 4, cfg, torch.Generator().manual_seed(1),
+                                students)
         counts[students] = (len(pairs), sum(p.incorrect for p in pairs))
     assert counts["incorrect"] == (counts["any"][1], counts["any"][1])
     assert counts["any"][0] > counts["any"][1]  # the fixture mines correct students too
@@ -315,9 +314,7 @@ def test_nll_loss_fits_tau_ref_and_merges(agent, tokenizer, search_index):
     with torch.no_grad():
         assert abs(ofsd.tau_ref_nll(model, refs, 0).item() - want) <= 1e-5
     torch.manual_seed(0)
-    m = ofsd.distill(model, tokenizer, pairs, ofsd_loss="nll", kl_weight=0.0, lora_rank=4, lora_alpha=8, lora_lr=1e-2,
-                     lora_epochs=3, ofsd_micro_batch=1, tau_clip=0.0, ofsd_clip="none", ofsd_context="full",
-                     ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=5, seed=0)
+    m = ofsd.distill(model, tokenizer, pairs, settings(OFSDConfig, ofsd_loss="nll", ofsd_kl_weight=0.0, lora_rank=4, lora_alpha=8, lora_lr=1e-2, lora_epochs=3, ofsd_micro_batch=1, tau_clip=0.0, ofsd_clip="none", ofsd_context="full", ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=5), seed=0)
     assert abs(m["nll_before"] - want) <= 1e-5 and m["nll_after"] < m["nll_before"] and len(m["losses"]) == 6
     with torch.no_grad():  # the first step's loss: one pair's NLL (a pair a step), the adapter still zero
         assert min(abs(m["losses"][0] - ofsd.tau_ref_nll(agent, [p.ref], 0).item()) for p in pairs) <= 1e-5
@@ -329,11 +326,13 @@ def test_nll_loss_fits_tau_ref_and_merges(agent, tokenizer, search_index):
 
 
 def test_pairs_saved_and_read_back(agent, tokenizer, search_index, tmp_path):
-    """save_pairs then load_pairs gives equal pairs (trajectories, golds, groups): what a resumed experiment reads."""
+    """experiments/common.py's save_pairs then load_pairs gives equal pairs (trajectories, golds, groups):
+    what a resumed experiment reads."""
+    from experiments.common import load_pairs, save_pairs
     trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION, "Ada"], G=2, temperature=1.0,
                 generator=torch.Generator().manual_seed(5))
     pairs = [ofsd.Pair(trajs[0], trajs[1], True, ("Paris",), ((("a", "b"), 1.0), ((), 0.0))),
              ofsd.Pair(trajs[2], trajs[3], False, ("x", "y"))]
     path = str(tmp_path / "pairs.json")
-    ofsd.save_pairs(path, pairs, {"teacher_em": 0.5})
-    assert ofsd.load_pairs(path) == (pairs, {"teacher_em": 0.5})
+    save_pairs(path, pairs, {"teacher_em": 0.5})
+    assert load_pairs(path) == (pairs, {"teacher_em": 0.5})

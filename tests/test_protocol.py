@@ -14,6 +14,10 @@ from tokenizer import Tokenizer
 from rollout import INVALID, make_prompt, rollout
 from conftest import AGENT_QUESTION, needs_wiki_packages, random_model, tiny_config
 from test_rollout import run
+from ofsd import OFSDConfig
+from grpo import GRPOConfig
+from evolve import settings
+from rollout import RolloutConfig, token_logprobs
 
 QWEN25_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 MESSAGES = ["Who wrote Hamlet?", make_prompt("who founded Paris"), "Ünïcode {braces} 'quotes' \\n <b>"]
@@ -119,24 +123,13 @@ def test_cache_forgets_the_end_of_turn_token(eot_agent, tokenizer, search_index)
 def test_real_checkpoint_responses_hold_no_end_of_turn_id(search_index):
     """Sampled rollouts of the real checkpoint: no end-of-turn id anywhere after the prompt."""
     model, tok = load(REAL)
-    trajs = rollout(model, tok, search_index, ["Who wrote Hamlet?", "What is the capital of France?"], 2,
-                       max_turns=2, max_turn_tokens=24, max_obs_tokens=64, top_k=2, temperature=1.0,
-                       top_p=1.0, generator=torch.Generator().manual_seed(0))
+    trajs = rollout(model, tok, search_index, ["Who wrote Hamlet?", "What is the capital of France?"], 2, RolloutConfig(max_turns=2, max_turn_tokens=24, max_obs_tokens=64, top_k=2, temperature=1.0, top_p=1.0), generator=torch.Generator().manual_seed(0))
     for t in trajs:
         assert not set(t.tokens[t.prompt_len:]) & set(tok.eos_ids), t.render(tok)
 
 
 # ----------------------------------------------------------------------------------------------
 # PPO mini-batches and the entropy bonus
-
-def round_args(**kw):
-    args = dict(steps=1, first_step=0, lr=0.5, warmup_steps=1, group_size=3, ppo_updates=2, micro_batch=8,
-                clip_ratio=1e-4, kl_coef=0.0, entropy_coef=0.0, max_grad_norm=100.0, log=lambda m: None,
-                rollout_args=dict(max_turns=2, max_turn_tokens=24, max_obs_tokens=64, top_k=3, temperature=1.0,
-                                  top_p=1.0), generator=torch.Generator().manual_seed(0))
-    args.update(kw)
-    return args
-
 
 def test_second_mini_batch_sees_a_moved_policy(agent, tokenizer, search_index):
     """Two mini-batches: the first update has ratio 1 (no clipping), the second clips (the entropy
@@ -145,8 +138,11 @@ def test_second_mini_batch_sees_a_moved_policy(agent, tokenizer, search_index):
     questions = [{"question": AGENT_QUESTION, "golden_answers": ["Paris"]},
                  {"question": "which lake is near London", "golden_answers": ["Paris"]}]
     opt = torch.optim.SGD(policy.parameters(), lr=0.5)
-    (m,) = grpo.grpo_round(policy, agent, opt, tokenizer, search_index, lambda: questions,
-                         **round_args(entropy_coef=0.1))
+    cfg = settings(GRPOConfig, grpo_steps=1, questions_per_step=2, ppo_mini_batch=1, group_size=3, micro_batch=8,
+                   lr=0.5, warmup_steps=1, clip_ratio=1e-4, kl_coef=0.0, entropy_coef=0.1, max_grad_norm=100.0,
+                   max_turns=2, max_turn_tokens=24, max_obs_tokens=64, top_k=3, temperature=1.0, top_p=1.0)
+    (m,) = grpo.grpo_round(policy, agent, opt, tokenizer, search_index, lambda: questions, cfg,
+                           torch.Generator().manual_seed(0), 0, lambda m: None)
     first, second = m["updates"]
     assert first["clip_frac"] == 0.0 and second["clip_frac"] > 0.0
     assert m["tokens"] == first["tokens"] + second["tokens"]
@@ -160,9 +156,7 @@ def test_entropy_bonus_moves_the_loss(agent, tokenizer, search_index):
 
     def step(coef):
         policy = copy.deepcopy(agent)
-        return grpo.grpo_step(policy, agent, torch.optim.SGD(policy.parameters(), lr=0.0), trajs, adv,
-                            micro_batch=4, clip_ratio=0.2, kl_coef=0.001, entropy_coef=coef,
-                            temperature=1.0, max_grad_norm=1.0, pad_id=0)
+        return grpo.grpo_step(policy, agent, torch.optim.SGD(policy.parameters(), lr=0.0), trajs, adv, settings(GRPOConfig, micro_batch=4, clip_ratio=0.2, kl_coef=0.001, entropy_coef=coef, temperature=1.0, max_grad_norm=1.0), 0)
     plain, bonus = step(0.0), step(0.3)
     assert plain["entropy"] > 0 and abs(bonus["loss"] - (plain["loss"] - 0.3 * plain["entropy"])) <= 1e-5
 
@@ -173,7 +167,7 @@ def test_entropy_is_the_distributions():
     ids = torch.tensor([[5, 6, 7, 8]])
     valid, mask = torch.ones_like(ids).bool(), torch.tensor([[0, 1, 1, 0]]).bool()
     with torch.no_grad():
-        _, ent = grpo.token_logprobs(model, ids, valid, mask, 0.7, entropy=True)
+        _, ent = token_logprobs(model, ids, valid, mask, 0.7, entropy=True)
         p = torch.softmax(model(ids)[0, :2].double() / 0.7, -1)  # positions 0, 1 predict tokens 1, 2
     assert torch.allclose(ent.double(), -(p * p.log()).sum(-1), atol=1e-5)
 
@@ -216,11 +210,7 @@ def test_real_checkpoint_ofsd_lowers_the_pair_kl(search_index):
     first as tau_ref): the clipped KL of the pair falls and the adapter merges."""
     import ofsd
     model, tok = load(REAL)
-    trajs = rollout(model, tok, search_index, ["Who wrote Hamlet?"], 2, max_turns=1, max_turn_tokens=32,
-                       max_obs_tokens=64, top_k=2, temperature=1.0, top_p=1.0,
-                       generator=torch.Generator().manual_seed(0))
-    m = ofsd.distill(model, tok, [ofsd.Pair(trajs[0], trajs[1], True)], ofsd_loss="kl", kl_weight=1.0, lora_rank=8, lora_alpha=16, lora_lr=1e-3, lora_epochs=3,
-                   ofsd_micro_batch=1, tau_clip=0.05, ofsd_clip="vocab", ofsd_context="full", ofsd_positions="policy",
-                   max_grad_norm=1.0, kl_chunk=64, seed=0)
+    trajs = rollout(model, tok, search_index, ["Who wrote Hamlet?"], 2, RolloutConfig(max_turns=1, max_turn_tokens=32, max_obs_tokens=64, top_k=2, temperature=1.0, top_p=1.0), generator=torch.Generator().manual_seed(0))
+    m = ofsd.distill(model, tok, [ofsd.Pair(trajs[0], trajs[1], True)], settings(OFSDConfig, ofsd_loss="kl", ofsd_kl_weight=1.0, lora_rank=8, lora_alpha=16, lora_lr=1e-3, lora_epochs=3, ofsd_micro_batch=1, tau_clip=0.05, ofsd_clip="vocab", ofsd_context="full", ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=64), seed=0)
     print(m)
     assert m["loss_after"] < m["loss_before"] and not any("lora" in n for n, _ in model.named_parameters())

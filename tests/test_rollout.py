@@ -5,15 +5,14 @@ import torch
 
 import generate
 
-from rollout import INVALID, extract_answer, make_prompt, observation, rollout
+from rollout import INVALID, RolloutConfig, extract_answer, make_prompt, observation, rollout
 from conftest import AGENT_QUESTION, random_model, tiny_config
 
 
-def run(model, tok, index, questions, G=1, **kw):
-    args = dict(max_turns=4, max_turn_tokens=40, max_obs_tokens=400, top_k=3, temperature=0.0,
-                top_p=1.0, generator=None)
-    args.update(kw)
-    return rollout(model, tok, index, questions, G, **args)
+def run(model, tok, index, questions, G=1, generator=None, contexts=None, uniforms=None, **kw):
+    """rollout with the tests' settings, `kw` over them."""
+    cfg = RolloutConfig(**dict(dict(max_turns=4, max_turn_tokens=40, max_obs_tokens=400, top_k=3), **kw))
+    return rollout(model, tok, index, questions, G, cfg, generator, contexts, uniforms)
 
 
 def segments(t):
@@ -100,17 +99,14 @@ def test_rollout_rows_decodes_in_batches_with_the_same_result(agent, tokenizer, 
 def test_a_question_enters_as_soon_as_its_rows_are_free(agent, tokenizer, search_index, monkeypatch):
     """With room for two of three questions, the third starts once G rows are free, beside the rows
     still writing: the batch samples fewer times than two batches one after the other would."""
-    from rollout import _rollout
     qs = [AGENT_QUESTION, "Turing", "Paris 1815 river and the lake mountain"]
     draws = []
     monkeypatch.setattr(generate, "draw", lambda *a, f=generate.draw: draws.append(len(a[0])) or f(*a))
     u = torch.rand(len(qs) * 2, 5 * 40, generator=torch.Generator().manual_seed(4))  # what rollout draws
-    args = dict(max_turns=4, max_turn_tokens=40, max_obs_tokens=400, top_k=3, temperature=1.0, top_p=1.0,
-                search_workers=1)
     count = []
     for questions, rows, rows_u in ((qs, 4, u), (qs[:2], 0, u[:4]), (qs[2:], 0, u[4:])):
         draws.clear()
-        _rollout(agent, tokenizer, search_index, questions, [""] * len(questions), 2, rows_u, rollout_rows=rows, **args)
+        run(agent, tokenizer, search_index, questions, 2, uniforms=rows_u, rollout_rows=rows, temperature=1.0)
         count.append(len(draws))
         if rows:
             assert max(draws) == rows  # never more rows than rollout_rows
@@ -138,9 +134,7 @@ def test_rows_go_on_to_their_next_turn_alone(agent, tokenizer, search_index, mon
 
 def rollout_rows_alone(agent, tokenizer, search_index, question, u):
     """One trajectory of `question`, decoded alone with the uniforms u."""
-    from rollout import _rollout
-    return _rollout(agent, tokenizer, search_index, [question], [""], 1, u[None], rollout_rows=0, max_turns=4, max_turn_tokens=40,
-                    max_obs_tokens=400, top_k=3, temperature=1.0, top_p=1.0, search_workers=1)
+    return run(agent, tokenizer, search_index, [question], 1, uniforms=u[None], temperature=1.0)
 
 
 def test_turn_and_token_caps_hold(agent, tokenizer, search_index):

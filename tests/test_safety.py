@@ -126,10 +126,10 @@ def test_trajectory_longer_than_the_context_is_refused(micro, tmp_path):
 def test_context_check_counts_what_the_cache_holds(tokenizer):
     """check_context counts a response as rollout sizes its KV cache (rollout.max_response_tokens):
     where the invalid-action message is longer than the observation cap, the message counts."""
-    from rollout import make_prompt, max_response_tokens
+    from rollout import RolloutConfig, make_prompt, max_response_tokens
     question, turns = "which river flows through Paris", dict(max_turns=3, max_turn_tokens=10, max_obs_tokens=1)
     prompt = len(tokenizer.encode(tokenizer.chat_prompt(make_prompt(question))))
-    need = prompt + max_response_tokens(tokenizer, **turns)
+    need = prompt + max_response_tokens(tokenizer, RolloutConfig(**turns, top_k=3))
     assert need > prompt + 4 * 11 + 3 * 1  # the message (not the 1-token cap) bounds each turn's injected text
     cfg = good_config(ofsd_rounds=False, **turns)
     check_context(cfg, tiny_config(max_position_embeddings=need), tokenizer, question)  # fits exactly

@@ -15,6 +15,7 @@ import retriever
 import rollout
 from worlds import toyagent
 from worlds import toyworld
+from rollout import RolloutConfig
 
 
 @pytest.fixture(scope="module")
@@ -159,8 +160,8 @@ def test_shipped_backbone_gives_the_readme_start_row(tmp_path):
     world, backbone = toyagent.ensure(str(tmp_path / "w"), 0, 3)
     model, tok = load(backbone)
     test = toyworld.read_jsonl(os.path.join(world, "test.jsonl"))
-    res = evaluate(model, tok, retriever.load_index(os.path.join(world, "index")), test, batch=128, max_turns=4,
-                      max_turn_tokens=80, max_obs_tokens=256, top_k=3)
+    res = evaluate(model, tok, retriever.load_index(os.path.join(world, "index")), test,
+                   RolloutConfig(max_turns=4, max_turn_tokens=80, max_obs_tokens=256, top_k=3), 128)
     assert abs(summarize(res)["all"]["em"] - 0.379) <= 2 / len(test)
 
 
@@ -171,7 +172,7 @@ def test_rebuild_matches_the_shipped_backbone(tmp_path):
     toyagent.build_backbone(world, str(tmp_path / "built"), seed=0, top_k=3)
     test = toyworld.read_jsonl(os.path.join(world, "test.jsonl"))
     index = retriever.load_index(os.path.join(world, "index"))
-    em = [summarize(evaluate(*load(d), index, test, batch=128, max_turns=4, max_turn_tokens=80,
-                                   max_obs_tokens=256, top_k=3))["all"]["em"] for d in (shipped, str(tmp_path / "built"))]
+    cfg = RolloutConfig(max_turns=4, max_turn_tokens=80, max_obs_tokens=256, top_k=3)
+    em = [summarize(evaluate(*load(d), index, test, cfg, 128))["all"]["em"] for d in (shipped, str(tmp_path / "built"))]
     print(f"greedy test EM: shipped {em[0]:.3f}, rebuilt {em[1]:.3f}")
     assert abs(em[0] - em[1]) <= 0.03
