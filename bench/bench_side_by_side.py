@@ -53,7 +53,10 @@ def child(args):
     from common import grpo_step, made_trajectories, rollout  # bench/common.py: the same for every code version
     from model import load
     from retriever import load_index
-    from worlds.toyworld import read_jsonl
+    try:
+        from worlds.toyworld import read_jsonl
+    except ModuleNotFoundError:  # a checkout from before the worlds/ folder (a0834f6)
+        from toyworld import read_jsonl
     model, tok = load(args.checkpoint, "cpu", getattr(torch, args.dtype))
     index = load_index(os.path.join(args.world, "index"))
     questions = [q["question"] for q in read_jsonl(os.path.join(args.world, "train.jsonl"))[:args.questions]]
