@@ -5,7 +5,7 @@ Three parts, printed as tables:
    the KL term's model) of the toy backbone and, given --checkpoint, a real Qwen2.5 checkpoint,
    on 1 process and on 2 gloo ranks, against the formula the table below uses.
 2. Measured activations: the bytes autograd saves for backward (saved-tensor hooks, distinct
-   storages) in `grpo.token_logprobs` through one decoder layer at each size's real dimensions,
+   storages) in `rollout.token_logprobs` through one decoder layer at each size's real dimensions,
    in bfloat16, with and without activation checkpointing: per token per layer, and per loss
    token at the LM head (log-softmax over the vocabulary, entropy).
 3. The memory table: per GPU on 1 and 8 GPUs, from those formulas and measurements, for the
