@@ -14,11 +14,13 @@ where the killed one stopped (on the same number of ranks).
 
 `Run` holds all of it for evolve.py: the directory's checks, the loop's state, metrics.jsonl, the
 LoRA chain of a run that trains through adapters, and the checkpoint at the end of each round.
+`save_pairs` / `load_pairs` keep an OFSD round's mined pairs (an experiment resumed on the same pairs).
 
 Left out: sharded model files (a 7B model is gathered on rank 0: 30 GB of host memory),
 keeping more than the last checkpoint.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -30,6 +32,8 @@ import torch.distributed as dist
 import fsdp
 import lora
 from model import save
+from ofsd import Pair
+from rollout import Trajectory
 
 
 def barrier():
@@ -239,3 +243,22 @@ class Run:
         save_checkpoint(self.ckpt_dir, policy, tokenizer, optimizer, rng, gen, dict(self.state, config=self.config),
                         self.rank, self.chain)
         fsdp.trim_host_memory()  # the checkpoint's serialized copies (gigabytes for a real model)
+
+
+# ---------------------------------------------------------------------------------------------
+# mined OFSD pairs on disk (an experiment resumed on the same pairs)
+
+def save_pairs(path, pairs, extra):
+    """Write mined pairs (and a dict of what else the caller keeps with them) as JSON, atomically."""
+    write_atomic(path, json.dumps(dict(extra=extra, pairs=[
+        dict(ref=dataclasses.asdict(p.ref), stu=dataclasses.asdict(p.stu), incorrect=p.incorrect,
+             golds=list(p.golds), group=[[list(qs), r] for qs, r in p.group]) for p in pairs])))
+
+
+def load_pairs(path):
+    """(pairs, extra) as save_pairs wrote them (a file without "extra": its other keys)."""
+    with open(path) as f:
+        saved = json.load(f)
+    extra = saved.get("extra", {k: v for k, v in saved.items() if k != "pairs"})
+    return [Pair(Trajectory(**p["ref"]), Trajectory(**p["stu"]), p["incorrect"], tuple(p["golds"]),
+                 tuple((tuple(qs), r) for qs, r in p.get("group", ()))) for p in saved["pairs"]], extra

@@ -155,15 +155,26 @@ def check_ranks(cfg, world_size, ppo_updates):
                          "and the same number of training passes")
 
 
+def max_context_tokens(tokenizer, context, response, group_size):
+    """At most how many tokens ofsd.privileged adds for a response of at most `response` tokens:
+    the framing and tau_ref's response ("full", "no_answer"; a query list is shorter than the
+    response it came from, whose observations it leaves out), or every sibling's ("group_queries",
+    a few tokens more a line for its mark)."""
+    framing = {"full": ofsd.FULL, "no_answer": ofsd.NO_ANSWER, "queries": ofsd.QUERIES,
+               "group_queries": ofsd.GROUP_QUERIES}[context]
+    mark = len(tokenizer.encode("\n- incorrect: " + ofsd.NO_SEARCH))
+    return len(tokenizer.encode(framing)) + (group_size * (response + mark) if context == "group_queries" else response)
+
+
 def check_context(cfg, model_config, tokenizer, longest_question):
     """A trajectory must fit the model's context: the longest question's prompt, then its response
     (rollout.max_response_tokens: the KV cache holds all of it); OFSD's teacher view holds the
-    privileged text (ofsd.max_context_tokens) and the response. Refused before any weights or caches
+    privileged text (max_context_tokens) and the response. Refused before any weights or caches
     are allocated."""
     prompt = len(tokenizer.encode(tokenizer.chat_prompt(make_prompt(longest_question))))
     response = max_response_tokens(tokenizer, group(RolloutConfig, cfg))
     view = f"teacher view ({cfg['ofsd_context']})" if cfg["ofsd_rounds"] else "trajectory"
-    extra = ofsd.max_context_tokens(tokenizer, cfg["ofsd_context"], response, cfg["group_size"]) \
+    extra = max_context_tokens(tokenizer, cfg["ofsd_context"], response, cfg["group_size"]) \
         if cfg["ofsd_rounds"] else 0
     longest = prompt + extra + response
     if longest > model_config.max_position_embeddings:

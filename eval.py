@@ -11,7 +11,6 @@ Left out: sampling-based metrics (pass@k), LLM-as-judge or F1 scoring.
     python eval.py --model_dir=DIR --index_dir=DIR --data=nq_test.jsonl,hotpotqa_dev.jsonl [--limit=N] [--show=2]
 """
 
-import dataclasses
 import json
 import os
 import sys
@@ -48,7 +47,7 @@ DEFAULTS = configurator.settings(globals())
 def evaluate(model, tokenizer, index, questions, cfg, batch):
     """Greedy rollouts (cfg: a RolloutConfig, its sampling ignored), `batch` questions at a time, for
     FlashRAG-format questions -> one result dict per question."""
-    out, greedy = [], dataclasses.replace(cfg, temperature=0.0, top_p=1.0)
+    out, greedy = [], cfg.greedy()
     for s in range(0, len(questions), batch):
         part = questions[s:s + batch]
         trajs = rollout(model, tokenizer, index, [q["question"] for q in part], 1, greedy)

@@ -165,16 +165,6 @@ def privileged(tokenizer, pair, context):
     raise ValueError(f"ofsd_context={context!r}: must be one of {', '.join(CONTEXTS)}")
 
 
-def max_context_tokens(tokenizer, context, response, group_size):
-    """At most how many tokens `privileged` adds for a response of at most `response` tokens:
-    the framing and tau_ref's response ("full", "no_answer"; a query list is shorter than the
-    response it came from, whose observations it leaves out), or every sibling's ("group_queries",
-    a few tokens more a line for its mark)."""
-    framing = {"full": FULL, "no_answer": NO_ANSWER, "queries": QUERIES, "group_queries": GROUP_QUERIES}[context]
-    mark = len(tokenizer.encode("\n- incorrect: " + NO_SEARCH))
-    return len(tokenizer.encode(framing)) + (group_size * (response + mark) if context == "group_queries" else response)
-
-
 def query_positions(tokenizer, stu):
     """Indices of tau_stu's policy-sampled tokens that wrote a search query the rollout ran: in each
     turn (a run of policy tokens) whose action (rollout.ACTION, the first tag pair) is a search, the

@@ -25,7 +25,7 @@ paged attention, vLLM.
 import re
 import string
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +64,10 @@ class RolloutConfig:
     rollout_rows: int = 0  # trajectories decoded at once (the KV cache's rows); 0 = all
     search_workers: int = 1  # processes sharing a turn's searches
     compile: bool = False  # decoding steps through torch.compile
+
+    def greedy(self):
+        """The same rollouts without sampling (evaluations)."""
+        return replace(self, temperature=0.0, top_p=1.0)
 
 
 # Search-R1's own settings (train_grpo.sh: max_turns=2, max_response_length and max_obs_length 500,

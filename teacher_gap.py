@@ -11,8 +11,6 @@ rounds show exactly that (README, docs/ablation.md).
     python evolve.py        # each OFSD line prints these; metrics.jsonl keeps them all
 """
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 
@@ -27,8 +25,7 @@ def greedy_scores(policy, tokenizer, index, mined, cfg, context=None):
     """One greedy rollout (cfg: a RolloutConfig, its sampling ignored) per mined question from the
     student view (context None), or the teacher view that `context` renders: (EM, searches) per question."""
     contexts = [ofsd.privileged(tokenizer, p, context) for p in mined] if context else None
-    greedy = dataclasses.replace(cfg, temperature=0.0, top_p=1.0)
-    trajs = rollout(policy, tokenizer, index, [p.stu.question for p in mined], 1, greedy, contexts=contexts)
+    trajs = rollout(policy, tokenizer, index, [p.stu.question for p in mined], 1, cfg.greedy(), contexts=contexts)
     return [exact_match(t.answer, list(p.golds)) for t, p in zip(trajs, mined)], [t.n_search for t in trajs]
 
 

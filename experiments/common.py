@@ -12,7 +12,6 @@ speed and memory benches are in bench/. Each experiment is a script:
     python experiments/backbone.py        # the toy backbone's targets
 """
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -29,8 +28,6 @@ sys.path.insert(0, ROOT)
 import checkpoint  # noqa: E402
 import fsdp  # noqa: E402
 import lora  # noqa: E402
-import ofsd  # noqa: E402
-from rollout import Trajectory  # noqa: E402
 
 def machine():
     """This CPU as a row records it: its model name and which native bfloat16 paths it has."""
@@ -92,32 +89,16 @@ def policy(folder, dev, dt, checkpoint_layers=False):
 
 def mined_pairs(path, mine_them):
     """(pairs, diagnostics, seconds) read from `path` when a run before this one wrote it, else
-    `mine_them()`'s, written there before they are used (save_pairs: temporary name, rename)."""
+    `mine_them()`'s, written there before they are used (checkpoint.save_pairs: temporary name, rename)."""
     if path and os.path.exists(path):
-        pairs, extra = load_pairs(path)
+        pairs, extra = checkpoint.load_pairs(path)
         return pairs, extra["before"], extra["seconds"]
     t0 = time.time()
     pairs, before = mine_them()
     seconds = time.time() - t0
     if path:
-        save_pairs(path, pairs, dict(before=before, seconds=seconds))
+        checkpoint.save_pairs(path, pairs, dict(before=before, seconds=seconds))
     return pairs, before, seconds
-
-
-def save_pairs(path, pairs, extra):
-    """Write mined pairs (and a dict of what else the caller keeps with them) as JSON, atomically."""
-    checkpoint.write_atomic(path, json.dumps(dict(extra=extra, pairs=[
-        dict(ref=dataclasses.asdict(p.ref), stu=dataclasses.asdict(p.stu), incorrect=p.incorrect,
-             golds=list(p.golds), group=[[list(qs), r] for qs, r in p.group]) for p in pairs])))
-
-
-def load_pairs(path):
-    """(pairs, extra) as save_pairs wrote them (a file without "extra", as docs/data/real_ofsd_p2*: its other keys)."""
-    with open(path) as f:
-        saved = json.load(f)
-    extra = saved.get("extra", {k: v for k, v in saved.items() if k != "pairs"})
-    return [ofsd.Pair(Trajectory(**p["ref"]), Trajectory(**p["stu"]), p["incorrect"], tuple(p["golds"]),
-                 tuple((tuple(qs), r) for qs, r in p.get("group", ()))) for p in saved["pairs"]], extra
 
 
 def saved_diagnostics(path, compute, recompute_elsewhere=False):

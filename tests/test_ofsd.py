@@ -326,9 +326,9 @@ def test_nll_loss_fits_tau_ref_and_merges(agent, tokenizer, search_index):
 
 
 def test_pairs_saved_and_read_back(agent, tokenizer, search_index, tmp_path):
-    """experiments/common.py's save_pairs then load_pairs gives equal pairs (trajectories, golds, groups):
-    what a resumed experiment reads."""
-    from experiments.common import load_pairs, save_pairs
+    """checkpoint.save_pairs then load_pairs gives equal pairs (trajectories, golds, groups): what a
+    resumed experiment reads."""
+    from checkpoint import load_pairs, save_pairs
     trajs = run(agent, tokenizer, search_index, [AGENT_QUESTION, "Ada"], G=2, temperature=1.0,
                 generator=torch.Generator().manual_seed(5))
     pairs = [ofsd.Pair(trajs[0], trajs[1], True, ("Paris",), ((("a", "b"), 1.0), ((), 0.0))),

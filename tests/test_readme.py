@@ -40,5 +40,5 @@ def test_example_log_is_the_committed_run():
 
 
 def test_readme_is_a_guide_of_at_most_10_kb():
-    """README.md stays under 10 KB; the lab notebook is docs/."""
-    assert len(readme().encode()) <= 10 * 1024
+    """README.md stays under 10,000 bytes; the lab notebook is docs/."""
+    assert len(readme().encode()) <= 10_000

@@ -10,6 +10,7 @@ import torch
 
 import lora
 import ofsd
+from configurator import max_context_tokens
 from clipped_kl import CLIPS
 from conftest import AGENT_QUESTION
 from test_evolve import evolve
@@ -152,7 +153,7 @@ def test_context_bound_holds_for_every_context(tokenizer, group):
     longest = max(len(t.tokens) - t.prompt_len for t in group)
     for context in ofsd.CONTEXTS:
         used = len(tokenizer.encode(ofsd.privileged(tokenizer, pair, context)))
-        assert used <= ofsd.max_context_tokens(tokenizer, context, longest, len(group)), context
+        assert used <= max_context_tokens(tokenizer, context, longest, len(group)), context
 
 
 def test_loop_runs_with_a_query_plan_teacher_and_query_positions(micro, tmp_path):
