@@ -231,9 +231,15 @@ class Run:
         """Where a LoRA run saves the adapter `name` (None for a run that keeps whole weights)."""
         return os.path.join(self.out_dir, "adapters", name) if self.chain is not None else None
 
-    def add_adapter(self, name):
-        """The adapter saved as `name` joins the chain (it is merged into the policy)."""
-        self.chain["adapters"].append(self.adapter_dir(name))
+    def merge(self, policy, params, name):
+        """The end of a round that trained the adapter `params`: merged into the policy; a LoRA run
+        first saves it as `name` in its chain, and a policy it holds in bfloat16 (fsdp.wrap) takes
+        the chain merged in float32 (lora.rebase)."""
+        lora.merge_trained(policy, params, self.adapter_dir(name))
+        if self.chain is not None:
+            self.chain["adapters"].append(self.adapter_dir(name))
+            if policy.lm_head_weight.dtype.itemsize < 4:
+                lora.rebase(policy, self.chain)
 
     def save(self, policy, tokenizer, optimizer, rng, gen):
         """One more round done: the checkpoint (the chain's base hashed once, on the first)."""

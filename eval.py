@@ -13,11 +13,14 @@ Left out: sampling-based metrics (pass@k), LLM-as-judge or F1 scoring.
 
 import json
 import os
+import resource
 import sys
+
+import torch
 
 import configurator
 from checkpoint import write_atomic
-from fsdp import device_and_dtype
+from fsdp import bound_host_memory, device_and_dtype
 import lora
 from model import Qwen2Config
 from retriever import load_index
@@ -188,6 +191,15 @@ def read_questions(path, limit=0):
     return rows
 
 
+def peak_line():
+    """The process's peak memory, one line at the end of a run: resident host memory (Linux's VmHWM
+    via getrusage), and the accelerator's allocations where there is one."""
+    line = f"peak memory | resident {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9:.2f} GB"
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        line += f" | cuda {torch.cuda.max_memory_allocated() / 1e9:.2f} GB allocated"
+    return line
+
+
 def eval_line(row):
     s = row["summary"]
     return (f"eval | round {row['round']} {row['after'] if row['after'] != 'start' else 'eval'} | "
@@ -220,6 +232,7 @@ def main():
     data = {path: read_questions(path, cfg["limit"]) for path in files}  # every file, first
     width = Qwen2Config.from_json(os.path.join(lora.base_dir(cfg["model_dir"]), "config.json")).hidden_size
     device, dtype = device_and_dtype(cfg["device"], cfg["dtype"], width)
+    bound_host_memory(device, width)  # on a CPU, a real checkpoint's large tensors each their own mapping
     configurator.check_compile(cfg["compile"], device)
     print(f"{cfg['model_dir']}: {device}, {str(dtype).removeprefix('torch.')}", file=sys.stderr)
     model, tok = lora.load_policy(cfg["model_dir"], device, dtype)  # a checkpoint, or a base and its adapters
@@ -241,6 +254,7 @@ def main():
     print(f"| average | {sum(s['n'] for s in sets)} | {sum(s['em'] for s in sets) / len(sets):.3f} | "
           f"{sum(s['searches'] for s in sets) / len(sets):.2f} | {sum(s['format'] for s in sets) / len(sets):.2f} |")
     print(f"per-question results: {cfg['out_file']}", file=sys.stderr)
+    print(peak_line())
 
 
 if __name__ == "__main__":

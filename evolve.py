@@ -2,27 +2,21 @@
 
     evaluate the starting policy; checkpoint
     for it in range(iterations):
-        GRPO round  (grpo.grpo_round): grpo_steps updates, each on fresh rollouts (G per question),
-                    reward = exact match, PPO-clip loss + KL to the round's starting policy
-        evaluate; checkpoint
-        OFSD round  (ofsd.py, unless --ofsd_rounds=false): fresh rollouts of the updated policy ->
-                    one (tau_ref, tau_stu) pair per question -> LoRA distillation of the teacher
-                    view (tau_ref as privileged context, adapter off) into the student view -> merge
-        evaluate; checkpoint
-    print the results table, one row per evaluation
+        GRPO round (grpo.py): grpo_steps updates on fresh rollouts, G a question; reward = exact
+                   match; PPO-clip loss + KL to the round's starting policy.  Evaluate; checkpoint
+        OFSD round (ofsd.py): fresh rollouts -> one (tau_ref, tau_stu) pair a question -> LoRA
+                   distillation of the teacher view (tau_ref in context, adapter off) into the
+                   student view -> merge.  Evaluate; checkpoint
+    print the results table, one row an evaluation
 
-The method, and where this code departs from Search-R1 and why, is METHOD.md. With no arguments
-it trains on the built-in toy world (worlds/toyworld.py; written on first use, with the backbone that
-worlds/toyagent.py ships for world seed 0) and prints a results table. Any constant below can be
-overridden as --key=value; `--resume` continues a killed run from its last checkpoint.
-Real-scale settings (the anchor's values) are in the comments and in docs/real-scale.md.
+METHOD.md is the method and where this code departs from Search-R1. With no arguments it trains on the
+toy world (worlds/); any constant below is overridable as --key=value (real scale: docs/real-scale.md).
 
     python evolve.py                                   # the toy world, CPU, minutes
     python evolve.py --ofsd_rounds=false --out_dir=runs/grpo   # the GRPO-only ablation
     torchrun --nproc_per_node=8 evolve.py --model_dir=... --index_dir=... --train_file=...
 
-Left out: vLLM-speed generation, tensor parallelism, CPU offload,
-asynchronous rollouts, learning-rate schedules beyond warm-up.
+Left out: vLLM-speed generation, tensor parallelism, CPU offload, asynchronous rollouts.
 """
 
 import os
@@ -34,19 +28,16 @@ import torch
 
 import checkpoint
 import configurator
-from eval import curves_svg, eval_line, evaluate, grpo_line, ofsd_line, read_questions, results_table, summarize
+from eval import curves_svg, eval_line, evaluate, grpo_line, ofsd_line, peak_line, results_table, summarize
 import fsdp
 import grpo
-from grpo import GRPOConfig
 import lora
 from model import Qwen2Config
-from tokenizer import Tokenizer
 import ofsd
-from ofsd import OFSDConfig
 from rollout import RolloutConfig
 import teacher_gap
+import worlds
 from worlds import toyagent
-from retriever import load_index
 
 # ---------------------------------------------------------------------------------------------
 # config: plain constants, overridable as --key=value            (real scale: the anchor's value)
@@ -111,12 +102,12 @@ config_keys = list(DEFAULTS)
 
 
 def main():
-    globals().update(parse_overrides(sys.argv[1:]))
+    globals().update(configurator.parse(sys.argv[1:], DEFAULTS, __file__, __doc__))  # --key=value, typed by the defaults
     config = {k: globals()[k] for k in config_keys}
     configurator.check_evolve(config)  # every setting, before anything is written
     width = Qwen2Config.from_json(os.path.join(lora.base_dir(model_dir), "config.json")).hidden_size if model_dir else \
         toyagent.BACKBONE["hidden_size"]  # decides "auto"'s dtype on CPU (fsdp.device_and_dtype)
-    rank, world_size, dev, dt = fsdp.setup(device, dtype, width)
+    rank, world_size, dev, dt = fsdp.setup(device, dtype, width, masters=not grpo_lora_rank)
     run = checkpoint.Run(out_dir, config, rank, world_size, RESUME_MAY_CHANGE)  # refuses a bad out_dir or resume
     configurator.check_ranks(config, world_size, questions_per_step // ppo_mini_batch)
     configurator.check_compile(compile, dev, world_size)
@@ -124,25 +115,27 @@ def main():
 
     # -----------------------------------------------------------------------------------------
     # setup: data, the policy, its optimizer, random state (or all of it from a checkpoint)
-    start_model, index, train, test, tokenizer = load_world(rank)
+    start_model, index, train, test, tokenizer = worlds.load(model_dir, index_dir, train_file, test_file, test_limit,
+                                                             world_dir, world_seed, top_k, rank)
+    configurator.check_context(config, Qwen2Config.from_json(os.path.join(lora.base_dir(start_model), "config.json")),
+                               tokenizer, max((q["question"] for q in train + test), key=len))
     rng = random.Random(seed)  # question order, identical on every rank
-    # rollout sampling, its own stream per rank: seed * 1000 + rank keeps seeds' streams apart up to 1,000 ranks
+    # rollout sampling: one stream a rank (seeds apart up to 1,000 ranks)
     gen = torch.Generator(device=dev).manual_seed(seed * 1000 + rank)
-    torch.manual_seed(seed)  # LoRA initialisation (this RNG's state is checkpointed: exact resume)
-    # float32 weights, sharded over the ranks with compute in dt when distributed or in bfloat16 (fsdp.py)
+    torch.manual_seed(seed)  # LoRA initialisation (checkpointed: exact resume)
+    # as this process holds it: FSDP2 over float32 masters in a process group, else in dt (fsdp.wrap)
     policy = fsdp.wrap(run.load_policy(start_model, dev, lora_chain=grpo_lora_rank > 0), dt)
     policy.checkpoint_layers = activation_checkpointing
-    # full fine-tuning's AdamW, its moments kept across rounds; a LoRA run makes one per round instead
+    # full fine-tuning's AdamW, kept across rounds (a LoRA run makes one a round)
     optimizer = None if grpo_lora_rank else torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
     run.restore(policy, optimizer, rng, gen)
-    kl = KLModel(start_model, dev, dt)  # the KL term's model, loaded by the first GRPO round that needs it
+    kl = KLModel(start_model, dev, dt)  # the KL term's model
     # the settings each round takes, as one group each
     sampling = configurator.group(RolloutConfig, config)
-    grpo_cfg = configurator.group(GRPOConfig, config, rollout=sampling, lr=grpo_lora_lr if grpo_lora_rank else lr)
-    ofsd_cfg = configurator.group(OFSDConfig, config)
+    grpo_cfg = configurator.group(grpo.GRPOConfig, config, rollout=sampling, lr=grpo_lora_lr if grpo_lora_rank else lr)
+    ofsd_cfg = configurator.group(ofsd.OFSDConfig, config)
 
-    def sample_questions(n):
-        """n training questions (the same on every rank), then this rank's share."""
+    def sample_questions(n):  # n training questions (the same on every rank), then this rank's share
         return [train[rng.randrange(len(train))] for _ in range(n)][rank::world_size]
 
     # -----------------------------------------------------------------------------------------
@@ -160,15 +153,14 @@ def main():
                                                           state_bytes=fsdp.state_bytes(policy, round_optimizer, kl.model)),
                                                      grpo_line(m, it)))
             run.state["step"] += grpo_steps
-            if adapter is not None:  # saved in PEFT's format, merged: the next round starts from the merged policy
-                run.add_adapter(f"{r:02d}-grpo")
-                lora.merge_trained(policy, adapter, run.chain["adapters"][-1])
+            if adapter is not None:  # saved in the run's chain, merged
+                run.merge(policy, adapter, f"{r:02d}-grpo")
         elif kind == "ofsd":
-            kl.release()  # the round needs neither the KL model nor GRPO's gradients and AdamW moments
+            kl.model = None  # the round needs neither, nor AdamW's moments
             with fsdp.parked(optimizer, os.path.join(run.ckpt_dir, f"parked-optimizer{rank}.pt")):
                 row.update(ofsd_round(policy, tokenizer, index, sample_questions(ofsd_questions), run, r, it,
                                       sampling, ofsd_cfg, gen))
-        with fsdp.gathered(policy):  # each rank its share of the test questions, weights gathered once
+        with fsdp.gathered(policy):  # each rank its share, weights gathered once
             results = evaluate(policy, tokenizer, index, test[rank::world_size], sampling, eval_batch)
         row.update(summary=summarize(fsdp.all_ranks(results), "type"), grpo_steps=run.state["step"],
                    seconds=time.time() - t0)
@@ -180,61 +172,36 @@ def main():
 
     if rank == 0:
         table = results_table(run.state["results"])
-        print("\n" + table)
+        print("\n" + table + "\n" + peak_line())
         checkpoint.write_atomic(os.path.join(out_dir, "results.md"), table + "\n")
     fsdp.teardown()
 
 
 # ---------------------------------------------------------------------------------------------
-# the steps main() names: the world, the KL term's model, an OFSD round
-
-def load_world(rank):
-    """(start model folder, BM25 index, train and test questions, tokenizer): the files named, else
-    the toy world (written on first use, by rank 0)."""
-    start_model = model_dir or os.path.join(world_dir, "backbone")  # a checkpoint or a policy folder (lora.py)
-    if not (model_dir and index_dir and train_file and test_file):
-        if rank == 0:
-            toyagent.ensure(world_dir, world_seed, top_k)
-        checkpoint.barrier()
-    index = load_index(index_dir or os.path.join(world_dir, "index"))
-    train = read_questions(train_file or os.path.join(world_dir, "train.jsonl"))
-    test = read_questions(test_file or os.path.join(world_dir, "test.jsonl"), test_limit)
-    tokenizer = Tokenizer(os.path.join(lora.base_dir(start_model), "tokenizer.json"))
-    configurator.check_context({k: globals()[k] for k in config_keys},
-                               Qwen2Config.from_json(os.path.join(lora.base_dir(start_model), "config.json")),
-                               tokenizer, max((q["question"] for q in train + test), key=len))
-    return start_model, index, train, test, tokenizer
-
+# the steps main() names: the KL term's model, an OFSD round
 
 class KLModel:
-    """The GRPO KL term's model and what a GRPO round trains. Full fine-tuning: a second copy of the
-    policy ("round": the weights the round starts from; "initial": the start model), loaded when a
-    round first needs it and let go for an OFSD round. GRPO through LoRA: no copy (`model` None), the
-    policy with its fresh adapter off is the round's start."""
+    """The GRPO KL term's model: full fine-tuning's second copy (kl_policy's weights, loaded when a round
+    needs it, let go for an OFSD round), or None through LoRA (the policy with its adapter off)."""
 
     def __init__(self, start_model, device, compute_dtype):
         self.start_model, self.device, self.compute_dtype, self.model = start_model, device, compute_dtype, None
 
     def begin_grpo_round(self, policy, optimizer):
         """(the round's LoRA adapter or None, the round's optimizer), the KL model ready."""
-        if grpo_lora_rank:  # a fresh adapter, the same on every rank, its gradients summed over them
+        if grpo_lora_rank:  # a fresh adapter, the same on every rank
             adapter = lora.attach(policy, grpo_lora_rank, grpo_lora_alpha)
             fsdp.sum_grads(adapter)
             return adapter, torch.optim.AdamW(adapter, lr=grpo_lora_lr, weight_decay=0.0)
-        if self.model is None:  # the first round, or an OFSD round before this one let it go
-            self.model = fsdp.wrap(lora.load_policy(self.start_model, self.device, torch.float32)[0],
-                                   self.compute_dtype)
+        if self.model is None:  # the first round, or one after an OFSD round
+            self.model = fsdp.wrap(lora.load_policy(self.start_model, self.device)[0], self.compute_dtype)
         if kl_policy == "round":
             fsdp.copy_weights(self.model, policy)
         return None, optimizer
 
-    def release(self):
-        self.model = None
-
 
 def ofsd_round(policy, tokenizer, index, questions, run, r, it, sampling, cfg, gen):
-    """Mine pairs from every rank's questions, measure the teacher's headroom, distil through LoRA
-    and merge, measure again: the round's metrics (its losses in metrics.jsonl, not the results)."""
+    """Mine pairs on every rank, measure the teacher's headroom, distil and merge, measure again."""
     run.record(None, f"ofsd | it {it} | mining {ofsd_questions} questions x {group_size}")
     pairs = fsdp.all_ranks(ofsd.mine_round(policy, tokenizer, index, questions, group_size, sampling, gen,
                                            ofsd_students))  # every rank distils every pair
@@ -242,25 +209,17 @@ def ofsd_round(policy, tokenizer, index, questions, run, r, it, sampling, cfg, g
     m = ofsd.distill(policy, tokenizer, pairs, cfg, seed=seed * 7919 + r,  # the pairs' order, per seed and round
                      log=lambda epoch, n, loss: run.record(None, f"ofsd | it {it} | epoch {epoch} | step {n:4d} | "
                                                                  f"loss {loss:.5f}"),
-                     adapter_dir=run.adapter_dir(f"{r:02d}-ofsd"))
+                     merge=lambda params: run.merge(policy, params, f"{r:02d}-ofsd"))
     m.update(gap, **teacher_gap.after_round(policy, tokenizer, index, pairs, sampling))
-    if run.chain is not None and m["losses"]:  # a round that mined no pair trained no adapter
-        run.add_adapter(f"{r:02d}-ofsd")
     row = dict(round=r, after="ofsd", iteration=it, **{k: v for k, v in m.items() if k != "losses"})
     run.record(dict(kind="ofsd_round", **row, losses=m["losses"]), ofsd_line(row, m))
     return {k: v for k, v in m.items() if k != "losses"}  # counts, KL, diagnostics
 
 
 def settings(cls, **overrides):
-    """A round's settings (RolloutConfig, GRPOConfig, OFSDConfig) from the constants above, `overrides`
-    first: how tests, benches and experiments build them without a second copy of a default."""
+    """A settings group from the constants above, `overrides` first (tests, benches, experiments)."""
     sampling = configurator.group(RolloutConfig, DEFAULTS, **overrides)
     return sampling if cls is RolloutConfig else configurator.group(cls, DEFAULTS, **dict(dict(rollout=sampling), **overrides))
-
-
-def parse_overrides(argv):
-    """The settings argv overrides (configurator.py: --key=value, typed by the defaults; --help)."""
-    return configurator.parse(argv, DEFAULTS, __file__, __doc__)
 
 
 RESUME_MAY_CHANGE = ("resume", "overwrite", "out_dir", "world_dir", "iterations", "eval_batch", "micro_batch",

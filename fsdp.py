@@ -1,9 +1,9 @@
 """Devices, sharding and mixed precision with PyTorch's FSDP2: the one place that picks the device
 and compute dtype (`device_and_dtype`, `setup`) and lays the policy out on ranks.
 
-When the run is distributed (torchrun) or computes in bfloat16 (the default on CUDA, and on a
-CPU with native bfloat16 arithmetic for a real checkpoint; one process included), evolve.py
-passes the policy and the KL term's model through `shard`:
+When the run is distributed (torchrun) or trains whole weights in bfloat16 (the default on CUDA,
+and on a CPU with native bfloat16 arithmetic for a real checkpoint; one process included),
+evolve.py passes the policy and the KL term's model through `shard`:
     fully_shard(each decoder layer), then fully_shard(the root: embeddings, final norm, LM head)
     MixedPrecisionPolicy(param_dtype=compute dtype, reduce_dtype=float32)
 so every rank holds 1/N of every float32 parameter, and AdamW's moments only for that slice
@@ -11,14 +11,15 @@ so every rank holds 1/N of every float32 parameter, and AdamW's moments only for
 dtype just before it runs and freed after it, and gradients are reduce-scattered in float32.
 The GRPO loss is already divided by the token count of all ranks, so gradients are summed over
 ranks, not averaged. On one CPU process in float32 (the toy main job) nothing is sharded and
-every helper below falls through to the plain model.
+every helper below falls through to the plain model; one process that trains only LoRA adapters
+holds its frozen base in the compute dtype (`wrap`), half float32's bytes and no gathering.
 
 Generation is many small forward passes: `gathered(model)` all-gathers the weights once for a
 whole rollout batch (or evaluation), keeps them through every step, and frees them after.
 Checkpoints: `full_state_dict` gathers the model on rank 0 (written in Hugging Face format), the
 optimizer is saved per rank with torch.distributed.checkpoint (`save_optimizer` / `load_optimizer`).
 `state_bytes` reports what each rank holds. `trim_host_memory` hands the memory glibc keeps freed
-back to the OS (evolve.py calls it after each checkpoint, grpo_round after each rollout).
+back to the OS (after each checkpoint, each decoding batch, each cast of the weights).
 `teardown` leaves the process group, a distributed process's last call.
 
 Left out: CPU offload of parameters or optimizer state, tensor or sequence parallelism, hybrid
@@ -90,18 +91,38 @@ def trim_host_memory():
         _LIBC.malloc_trim(0)
 
 
-def setup(device, dtype, hidden_size):
+M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
+HOST_MMAP_THRESHOLD = 8 << 20  # bytes: a host allocation this large gets a mapping of its own
+
+
+def bound_host_memory(device, hidden_size):
+    """For a real checkpoint (hidden_size >= BF16_MIN_HIDDEN) on a CPU, make glibc map each allocation of
+    HOST_MMAP_THRESHOLD bytes or more on its own and unmap it when freed (a no-op off glibc; the toy's
+    small tensors keep reusing the heap). By default glibc raises that threshold to 32 MB as large
+    blocks are freed, so a training step's activations (1-30 MB, their lengths changing every
+    micro-batch) land in its heaps, which fragment and grow: a real 0.5B's LoRA step held 8.6 GB
+    resident for 3.3 GB of live tensors. At 8 MB a layer's float32 temporaries (15.6 MB for 4,344
+    tokens) come and go as mappings while its bfloat16 ones stay in the heap: the step's peak 3.8 GB
+    at 1.06x the time; at 1 MB 2.8 GB at 1.2-1.3x; at 16 MB 5.5 GB (docs/benchmarks.md)."""
+    if device == "cpu" and hidden_size >= BF16_MIN_HIDDEN and _LIBC is not None and hasattr(_LIBC, "mallopt"):
+        _LIBC.mallopt(M_MMAP_THRESHOLD, HOST_MMAP_THRESHOLD)
+
+
+def setup(device, dtype, hidden_size, masters=True):
     """Ranks, device and compute dtype (`device_and_dtype`). Under torchrun (RANK set): one process
     per device (nccl on CUDA, gloo on CPU). A process group means a sharded policy (`shard`), so
-    one process that computes in bfloat16 joins a one-rank group: the same mixed precision as N
-    ranks. Returns (rank, world_size, device, compute dtype)."""
+    one process that computes in bfloat16 and trains whole weights (`masters`) joins a one-rank
+    group: float32 masters and the same mixed precision as N ranks. One process that trains only
+    LoRA adapters needs no masters: `wrap` holds its frozen base in the compute dtype.
+    Returns (rank, world_size, device, compute dtype)."""
     dev, dt = device_and_dtype(device, dtype, hidden_size)
     if dev.startswith("cuda"):
         torch.cuda.set_device(dev)
+    bound_host_memory(dev, hidden_size)
     backend = "nccl" if dev.startswith("cuda") else "gloo"
     if "RANK" in os.environ:
         dist.init_process_group(backend)
-    elif dt.itemsize < 4:  # bfloat16 (or float16) compute: mixed precision, as on N ranks
+    elif dt.itemsize < 4 and masters:  # bfloat16 (or float16) compute: mixed precision, as on N ranks
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     return rank, world_size, dev, dt
@@ -138,9 +159,12 @@ def shard(model, compute_dtype):
 
 
 def wrap(model, compute_dtype):
-    """The model as a process holds it: sharded when a process group is up (`shard`), else as it is."""
+    """The model as a process holds it: sharded when a process group is up (`shard`), else in the
+    compute dtype (float32 stays float32; a LoRA run's frozen base in bfloat16 is half the bytes)."""
     if dist.is_initialized():
-        shard(model, compute_dtype)
+        return shard(model, compute_dtype)
+    model.to(compute_dtype)
+    trim_host_memory()  # the float32 copies just let go
     return model
 
 

@@ -1,26 +1,16 @@
 """The GRPO round (explore): exact-match reward, group advantages, PPO-clip loss with k3 KL.
 
-For each question, G trajectories o_1..o_G get reward r_i = EM(answer_i, gold) in {0, 1} and the
-group-relative advantage, shared by every token of o_i:
-    A_i = (r_i - mean(r)) / (std(r) + 1e-6)            (std with Bessel's correction, as veRL)
-so a group with equal rewards gives no policy gradient. The loss per policy-sampled token t is
-    rho_t  = exp(log pi(t) - log pi_old(t))            (pi_old: the rollout's recorded log-probs)
-    pg_t   = max(-A * rho_t, -A * clip(rho_t, 1 - eps, 1 + eps))
-    d_t    = clamp(log pi_kl(t) - log pi(t), -20, 20)     (pi_kl: the KL term's model)
-    kl_t   = exp(d_t) - d_t - 1                            (k3, then clamped to [-10, 10], as veRL)
-    H_t    = -sum_v pi(v) log pi(v)                       (the entropy at t's position)
-    L      = sum_t loss_mask_t * (pg_t + beta * kl_t - c_H * H_t) / sum_t loss_mask_t   (token mean)
-with log-probabilities of softmax(logits / temperature), the rollout's temperature.
-
-A round is `grpo_steps` steps, each on fresh rollouts of the current policy, passed over once in
-`ppo_updates` shuffled mini-batches of whole groups, one AdamW update each: the first update sees
-rho = 1, the later ones a moved policy, where the clip acts (veRL's PPO epochs). Micro-batches hold
-trajectories of similar lengths. Under torchrun the token mean is over every rank's tokens
-(`all_sum`, the one step that needs every rank); `reshard` frees the KL model's gathered root
-after its no-grad forwards (FSDP2 keeps a root's weights for a backward that never comes).
-
-Left out: value models / GAE (GRPO needs none), format rewards (the anchor uses EM only), dynamic
-sampling, length penalties.
+Trajectory o_i of a question's G gets r_i = EM(answer_i, gold) and, on every one of its tokens,
+    A_i = (r_i - mean(r)) / (std(r) + 1e-6)            (Bessel's std, as veRL)
+The loss per policy-sampled token t (log-probs of softmax(logits / temperature)):
+    rho_t = exp(log pi(t) - log pi_old(t))             (pi_old: the rollout's own log-probs)
+    pg_t  = max(-A rho_t, -A clip(rho_t, 1 - eps, 1 + eps))
+    d_t   = clamp(log pi_kl(t) - log pi(t), -20, 20);  kl_t = clamp(exp(d_t) - d_t - 1, -10, 10)
+    L     = sum_t loss_mask_t (pg_t + beta kl_t - c_H H_t) / sum_t loss_mask_t   (H_t: the entropy)
+A step rolls out fresh trajectories and makes `ppo_updates` AdamW updates on shuffled shares of the
+groups (veRL's PPO epochs: the first sees rho = 1). Two calls need every rank: `all_sum` (the
+token mean), `reshard` (FSDP2 keeps a root's weights gathered after a no-grad forward).
+Left out: value models (GRPO needs none), format rewards, dynamic sampling, length penalties.
 
     python evolve.py --ofsd_rounds=false     # GRPO alone on the toy world
 """
@@ -33,7 +23,8 @@ import torch
 
 import lora
 from fsdp import all_sum, reshard
-from rollout import RolloutConfig, em_rewards, pad_batch, rollout, token_logprobs
+from logprobs import pad_batch, token_logprobs
+from rollout import RolloutConfig, em_rewards, rollout
 
 
 @dataclass(frozen=True)
@@ -66,8 +57,7 @@ def group_advantages(rewards, group_size, eps=1e-6):
 
 
 def grpo_token_loss(logp, old_logp, kl_logp, adv, clip_ratio, kl_coef, entropy=None, entropy_coef=0.0):
-    """Per-token PPO-clip + k3 KL terms, minus the entropy bonus, all (n,);
-    returns (loss, pg, kl, clipped indicator)."""
+    """Per-token (loss, pg, kl, clipped indicator), each (n,)."""
     ratio = torch.exp(logp - old_logp)
     pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_ratio, 1 + clip_ratio))
     log_r = (kl_logp - logp).clamp(-20, 20)
@@ -80,8 +70,8 @@ def grpo_token_loss(logp, old_logp, kl_logp, adv, clip_ratio, kl_coef, entropy=N
 
 
 def grpo_step(model, kl_model, optimizer, trajs, advantages, cfg, pad_id):
-    """One optimizer step on `trajs` (a PPO mini-batch): the masked token-mean loss, accumulated over
-    micro-batches. kl_model None: the KL term's model is the policy with its LoRA adapter off."""
+    """One AdamW update on `trajs` (a PPO mini-batch), accumulated over micro-batches. kl_model None:
+    the KL term's model is the policy with its LoRA adapter off."""
     device, temperature = model.model.embed_tokens.weight.device, cfg.rollout.temperature
     n_tokens = all_sum(torch.tensor(float(sum(sum(t.loss_mask) for t in trajs)), device=device))
     optimizer.zero_grad(set_to_none=True)
@@ -100,7 +90,7 @@ def grpo_step(model, kl_model, optimizer, trajs, advantages, cfg, pad_id):
                                                 entropy, cfg.entropy_coef)
         (loss.sum() / n_tokens).backward()
         sums += torch.stack([loss.sum(), pg.sum(), kl.sum(), clipped.float().sum(), entropy.sum()]).detach()
-    reshard(model if kl_model is None else kl_model)  # FSDP2 keeps a root's weights gathered after a no-grad forward
+    reshard(model if kl_model is None else kl_model)
     sums = all_sum(sums) / n_tokens
     params = [p for g in optimizer.param_groups for p in g["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)  # the global norm
@@ -110,10 +100,8 @@ def grpo_step(model, kl_model, optimizer, trajs, advantages, cfg, pad_id):
 
 
 def grpo_round(policy, kl_model, optimizer, tokenizer, index, next_questions, cfg, generator, first_step, log):
-    """cfg.grpo_steps GRPO steps of `policy`; `next_questions()` gives this rank's questions for a
-    step, the learning rate warms up over the run's first steps (`first_step`: steps before this
-    round), `generator` draws the samples and the mini-batch order. `log(metrics)` after each step;
-    returns every step's metrics."""
+    """cfg.grpo_steps steps on this rank's `next_questions()`, lr warmed up over the run's first steps
+    (`first_step` came before); `log(metrics)` after each step; returns their metrics."""
     device, G, history = policy.model.embed_tokens.weight.device, cfg.group_size, []
     policy.train()
     for s in range(cfg.grpo_steps):

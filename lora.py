@@ -45,7 +45,7 @@ class LoRALinear(nn.Module):
         self.base = base
         self.r, self.alpha, self.scaling = r, alpha, alpha / r
         self.dropout = nn.Dropout(dropout)
-        dev, dt = base.weight.device, base.weight.dtype
+        dev, dt = base.weight.device, torch.promote_types(base.weight.dtype, torch.float32)  # float32 at least
         self.lora_A = nn.Linear(base.in_features, r, bias=False, device=dev, dtype=dt)
         self.lora_B = nn.Linear(r, base.out_features, bias=False, device=dev, dtype=dt)
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's initialisation
@@ -54,9 +54,9 @@ class LoRALinear(nn.Module):
 
     def forward(self, x):
         y = self.base(x)
-        if self.enabled:  # in the adapter's dtype (float32 under bfloat16 mixed precision)
-            x = self.dropout(x.to(self.lora_A.weight.dtype))
-            y = y + (self.lora_B(self.lora_A(x)) * self.scaling).to(y.dtype)
+        if self.enabled:  # in the adapter's dtype (float32 under bfloat16 compute); in place where autograd allows
+            z = self.lora_B(self.lora_A(self.dropout(x.to(self.lora_A.weight.dtype))))  # (..., out)
+            y.add_(z.mul_(self.scaling).to(y.dtype))
         return y
 
 
@@ -281,12 +281,30 @@ def load_policy(path, device="cpu", dtype=torch.float32):
     if chain["base_sha256"] is None:  # a plain checkpoint folder
         return load(path, device, dtype)
     check_chain(path, chain)
+    model, tokenizer = merged(chain, device)
+    model.to(dtype)
+    fsdp.trim_host_memory()  # the float32 weights a cast let go
+    return model, tokenizer
+
+
+def merged(chain, device="cpu"):
+    """(model, tokenizer): the chain's base in float32 with each adapter merged in order (float32)."""
     model, tokenizer = load(chain["base"], device, torch.float32)
     for adapter in chain["adapters"]:
         merge(load_adapter(model, adapter))
     for p in model.parameters():
         p.requires_grad_(True)
-    return model.to(dtype), tokenizer
+    return model, tokenizer
+
+
+@torch.no_grad()
+def rebase(model, chain):
+    """A policy held in the compute dtype (bfloat16) takes the chain merged in float32, cast: an
+    update merged into bfloat16 weights would be rounded away, so a LoRA run merges in float32 on
+    the side (2 GB for a moment at 0.5B) and holds only the cast."""
+    for p, q in zip(model.parameters(), merged(chain, model.lm_head_weight.device)[0].parameters(), strict=True):
+        p.copy_(q)
+    fsdp.trim_host_memory()
 
 
 if __name__ == "__main__":

@@ -1,23 +1,20 @@
 """OFSD: offline self-distillation from the policy's own better sibling (Search-E1's contribution).
 
 An OFSD round follows a GRPO round:
-1. Mine. G rollouts per question, EM rewards; per group with a correct rollout one pair: tau_ref =
-   the correct one with the fewest searches (then policy tokens); tau_stu = the incorrect one that
-   differs most from it (bigram distance of policy tokens), else the most different other correct one.
+1. Mine. G rollouts a question; in a group with a correct one, tau_ref = the correct rollout with
+   the fewest searches (then policy tokens), tau_stu = the incorrect one farthest from it (bigram
+   distance of policy tokens), else the farthest other correct one.
 2. Two views of tau_stu, one set of weights:
      student  chat(instruction || q)             then tau_stu      (the LoRA adapter on)
-     teacher  chat(instruction || q || C(pair))  then tau_stu      (the adapter off: the frozen base)
+     teacher  chat(instruction || q || C(pair))  then tau_stu      (the adapter off)
    C (`ofsd_context`): tau_ref's response ("full", the paper's), cut before its answer ("no_answer"),
-   its queries ("queries"), or every sibling's queries marked correct or not ("group_queries").
-3. The loss over tau_stu's loss positions R (`ofsd_positions`: "policy" every token its policy
-   sampled, the paper's; "queries" those of its search queries), Pt / Ps the teacher's / student's
-   next-token distributions, the teacher's without gradient:
+   its queries ("queries"), or every sibling's queries marked right or wrong ("group_queries").
+3. Over tau_stu's loss positions R (`ofsd_positions`: "policy", every sampled token, the paper's;
+   "queries", its search queries), with the teacher's Pt (no gradient) and the student's Ps:
      L = 1/|R| sum_{p in R} sum_v min(Pt_p(v) log(Pt_p(v) / Ps_p(v)), tau_clip)      ofsd_clip "vocab"
-   ("position" clips each position's KL, "none" not at all; clipped_kl.py has the gradients).
-   `ofsd_loss` "nll" fits tau_ref's own policy tokens in the student view instead (the rft
-   control), "nll_kl" adds the two.
-4. AdamW on the adapter alone, then merge it: the next GRPO round's policy.
-Left out: reverse KL, mixing OFSD with RL in one loss, several references per pair.
+   ("position" clips each position's KL, "none" nothing). `ofsd_loss` "nll" fits tau_ref's policy
+   tokens in the student view instead (the rft control), "nll_kl" the sum.
+4. AdamW on the adapter alone, then merge it. Left out: reverse KL, OFSD and RL in one loss.
 
     python evolve.py --ofsd_loss=nll      # the loop runs the rounds; python clipped_kl.py checks the loss
 """
@@ -32,7 +29,8 @@ import torch
 import lora
 from clipped_kl import fused_linear_clipped_kl, position_stats
 from model import pad_right
-from rollout import ACTION, em_rewards, make_prompt, pad_batch, rollout, token_logprobs
+from logprobs import pad_batch, token_logprobs
+from rollout import ACTION, em_rewards, make_prompt, rollout
 
 
 @dataclass(frozen=True)
@@ -70,7 +68,7 @@ class PairSequences(NamedTuple):
     teacher_pos: list  # the same tokens' indices in `teacher`
 
 
-# What the teacher sees: the framing of each ofsd_context, appended to the teacher's user message.
+# What the teacher sees, appended to its user message, for each ofsd_context
 FULL = ("\n\nFor reference, here is a correct and efficient solution to this question, "
         "with its searches and the retrieved documents:\n{tau_ref}\n")
 NO_ANSWER = ("\n\nFor reference, here is a correct and efficient solution to this question, with its "
@@ -126,8 +124,7 @@ def mine_pairs(trajs, rewards, group_size):
 
 
 def mine(trajs, questions, group_size, ofsd_students="any"):
-    """EM rewards, then a Pair with its gold answers per question group with a correct rollout;
-    ofsd_students="incorrect" keeps only the pairs whose student is incorrect."""
+    """The Pairs, gold answers added; ofsd_students="incorrect" keeps those with an incorrect student."""
     golds = {q["question"]: q["golden_answers"] for q in questions}
     return [p._replace(golds=tuple(golds[p.stu.question]))
             for p in mine_pairs(trajs, em_rewards(trajs, questions, group_size), group_size)
@@ -135,8 +132,7 @@ def mine(trajs, questions, group_size, ofsd_students="any"):
 
 
 def mine_round(policy, tokenizer, index, questions, group_size, cfg, generator, ofsd_students):
-    """The round's pairs from this rank's questions: G rollouts of the current policy each (cfg: a
-    RolloutConfig), EM rewards, one pair per question with a correct rollout."""
+    """Step 1 on this rank's questions: G rollouts each of the current policy, then `mine`."""
     trajs = rollout(policy, tokenizer, index, [q["question"] for q in questions], group_size, cfg, generator)
     return mine(trajs, questions, group_size, ofsd_students)
 
@@ -145,13 +141,12 @@ def mine_round(policy, tokenizer, index, questions, group_size, cfg, generator, 
 # 2. the two views
 
 def privileged(tokenizer, pair, context):
-    """The teacher view's addition to the user message: what `context` (one of CONTEXTS) shows of
-    the pair's tau_ref, or of its group."""
+    """The teacher view's addition to the user message: what `context` shows of tau_ref or its group."""
     ref = pair.ref
+    response = tokenizer.decode(ref.tokens[ref.prompt_len:])
     if context == "full":
-        return FULL.format(tau_ref=tokenizer.decode(ref.tokens[ref.prompt_len:]))
+        return FULL.format(tau_ref=response)
     if context == "no_answer":
-        response = tokenizer.decode(ref.tokens[ref.prompt_len:])
         cut = response.rfind("<answer>")
         return NO_ANSWER.format(tau_ref=response[:cut] if cut >= 0 else response)
     if context == "queries":
@@ -166,9 +161,8 @@ def privileged(tokenizer, pair, context):
 
 
 def query_positions(tokenizer, stu):
-    """Indices of tau_stu's policy-sampled tokens that wrote a search query the rollout ran: in each
-    turn (a run of policy tokens) whose action (rollout.ACTION, the first tag pair) is a search, the
-    tokens that overlap its query and closing tag, "q</search>" of "<search>q</search>"."""
+    """Indices of tau_stu's tokens that wrote a query the rollout ran: in each turn whose action is a
+    search, the tokens overlapping "q</search>" of its "<search>q</search>"."""
     out, p, end = [], stu.prompt_len, len(stu.tokens)
     while p < end:
         if not stu.loss_mask[p]:
@@ -189,9 +183,7 @@ def query_positions(tokenizer, stu):
 
 
 def pair_sequences(tokenizer, stu, context, positions="policy"):
-    """The PairSequences of tau_stu with `context` (text) added to the teacher's user message: both
-    views' token ids and the aligned loss positions, every policy token ("policy") or only those
-    inside search queries ("queries")."""
+    """Both views of tau_stu (`context` added to the teacher's user message) and their loss positions."""
     response = stu.tokens[stu.prompt_len:]
     teacher_prompt = tokenizer.encode(tokenizer.chat_prompt(make_prompt(stu.question) + context))
     if positions == "policy":
@@ -205,10 +197,8 @@ def pair_sequences(tokenizer, stu, context, positions="policy"):
 
 
 def gather_hidden(model, seqs, positions):
-    """Hidden states that predict each listed position (ascending in each sequence):
-    (sum of len(positions), d)."""
-    dev = model.model.embed_tokens.weight.device
-    ids, valid = pad_right(seqs, 0, dev)  # (B, T) each
+    """The hidden states that predict each listed (ascending) position: (sum of len(positions), d)."""
+    ids, valid = pad_right(seqs, 0, model.model.embed_tokens.weight.device)  # (B, T) each
     select = torch.zeros_like(valid)  # (B, T): the positions that predict a listed token
     for i, ps in enumerate(positions):
         if list(ps) != sorted(set(ps)):
@@ -221,8 +211,7 @@ def gather_hidden(model, seqs, positions):
 # 3. the loss: the clipped forward KL of the teacher view, or tau_ref's NLL
 
 def pair_loss(model, batch, tau_clip, ofsd_clip, kl_chunk):
-    """Mean over the pairs of each pair's mean clipped KL over its loss positions; batch: (PairSequences,
-    teacher states) as `teacher_states` gives them (the frozen base's, adapter off)."""
+    """Mean over the pairs of each pair's mean clipped KL; batch: (PairSequences, teacher states)."""
     h_s, h_t, s_pos = pair_states(model, batch)  # (N, d) each
     w = torch.tensor([1.0 / (len(p) * len(batch)) for p in s_pos for _ in p], device=h_s.device)
     return fused_linear_clipped_kl(h_s, h_t, model.lm_head_weight, tau_clip, ofsd_clip, w, kl_chunk)
@@ -238,8 +227,7 @@ def tau_ref_nll(model, refs, pad_id):
 
 
 def pair_states(model, items):
-    """(student states with the adapter as it is (N, d), the items' teacher states (N, d), the student
-    loss positions per pair) for (PairSequences, teacher states) items."""
+    """(student states (N, d), teacher states (N, d), student loss positions) of the items."""
     s_pos = [d.student_pos for d, _ in items]
     return gather_hidden(model, [d.student for d, _ in items], s_pos), torch.cat([h for _, h in items]), s_pos
 
@@ -247,18 +235,18 @@ def pair_states(model, items):
 # ----------------------------------------------------------------------------------------------
 # 4. the round
 
-def distill(model, tokenizer, pairs, cfg, seed, log=None, adapter_dir=None):
-    """Train a LoRA adapter on the pairs minimising cfg.ofsd_loss (steps 2-4 above), then merge it
-    (saved to `adapter_dir` first, when given); `seed` orders the pairs. `log(epoch, step, loss)`
-    after each step. Reports the KL's statistics and tau_ref's NLL before and after."""
+def distill(model, tokenizer, pairs, cfg, seed, log=None, merge=None):
+    """Steps 2-4: a LoRA adapter trained on the pairs (in an order `seed` shuffles), then merged by
+    `merge(params)` (default lora.merge_trained). Returns the KL's statistics and tau_ref's NLL
+    before and after."""
     metrics = dict(pairs=len(pairs), incorrect_students=sum(p.incorrect for p in pairs), losses=[])
-    # 1. both views of every pair, and the teacher's states (adapter off) at the loss positions
+    # 1. both views of every pair; the teacher's states (adapter off)
     seqs = [pair_sequences(tokenizer, p.stu, privileged(tokenizer, p, cfg.ofsd_context), cfg.ofsd_positions)
             for p in pairs]
     with_pos = [s for s in seqs if s.student_pos]  # a student with no loss position has no KL term
     states = iter(teacher_states(model, with_pos, cfg.ofsd_micro_batch))
     items = [(s, next(states)) if s.student_pos else None for s in seqs]  # per pair: (PairSequences, (n, d))
-    # 2. what this loss trains on: (tau_ref, KL item) of each pair it can use
+    # 2. what this loss trains on: (tau_ref, KL item) a usable pair
     data = [(p.ref, item) for p, item in zip(pairs, items)
             if (cfg.ofsd_loss == "nll" or item is not None) and (cfg.ofsd_loss == "kl" or sum(p.ref.loss_mask))]
     items = [item for item in items if item is not None]
@@ -284,14 +272,13 @@ def distill(model, tokenizer, pairs, cfg, seed, log=None, adapter_dir=None):
     measure("before")
     metrics["losses"] = fit_adapter(params, data, batch_loss, cfg, seed, log)
     measure("after")
-    lora.merge_trained(model, params, adapter_dir)
+    (merge or (lambda p: lora.merge_trained(model, p)))(params)
     return metrics
 
 
 def fit_adapter(params, data, batch_loss, cfg, seed, log=None):
-    """AdamW on the adapter `params`: cfg.lora_epochs passes over `data` in an order shuffled by
-    random.Random(seed), one step per cfg.ofsd_micro_batch items minimising batch_loss(items), the
-    gradient norm clipped. `log(epoch, step, loss)` after every step. Returns the losses."""
+    """AdamW on `params`, cfg.lora_epochs shuffled passes over `data`, a step on batch_loss(items) for
+    each cfg.ofsd_micro_batch items; `log(epoch, step, loss)` after each. Returns the losses."""
     opt = torch.optim.AdamW(params, lr=cfg.lora_lr, weight_decay=0.0)
     rng, losses = random.Random(seed), []
     for epoch in range(cfg.lora_epochs):
@@ -311,8 +298,7 @@ def fit_adapter(params, data, batch_loss, cfg, seed, log=None):
 
 @torch.no_grad()
 def teacher_states(model, data, micro_batch):
-    """The teacher view's final hidden states at each pair's loss positions, the adapter off:
-    a list of (n_i, d), one per PairSequences, computed `micro_batch` pairs at a time."""
+    """The teacher view's hidden states at each pair's loss positions, the adapter off: [(n_i, d)]."""
     out = []
     with lora.disabled(model):
         for i in range(0, len(data), micro_batch):
@@ -324,10 +310,8 @@ def teacher_states(model, data, micro_batch):
 
 @torch.no_grad()
 def pair_stats(model, items, tau_clip, ofsd_clip, ofsd_micro_batch, kl_chunk):
-    """Mean over the pairs of each pair's mean over its loss positions (the loss's own weighting)
-    of: the clipped loss ("loss"), the true forward KL ("kl_true"), the share of positions the clip
-    changed ("clip_frac") and the student's probability of the teacher's most likely token
-    ("p_top"). items: (PairSequences, teacher states); the student runs with the adapter."""
+    """Mean over the pairs of each pair's mean over its positions of the clipped loss, the true KL, the
+    share of positions clipped and the student's probability of the teacher's top token."""
     sums = dict(loss=0.0, kl_true=0.0, clip_frac=0.0, p_top=0.0)
     for i in range(0, len(items), ofsd_micro_batch):
         part = items[i:i + ofsd_micro_batch]

@@ -1,23 +1,17 @@
 """The Search-R1 task: its prompt, its turn, multi-turn search rollouts with loss masks, EM reward.
 
-The question goes into the instruction below, one user message in the checkpoint's chat template.
-The model writes a turn until it closes </search> or </answer>, writes an end-of-turn token
-(dropped, as Search-R1 decodes without special tokens) or hits the per-turn cap. The turn's first
-<search>q</search> or <answer>a</answer> is its action:
-    search  -> "\n\n<information>" + the top-k documents + "</information>\n\n" (cut to the
-               observation cap) is appended, and the model writes on;
-    answer  -> the trajectory ends;
-    neither -> the invalid-action message is appended, and the model writes on.
-After `max_turns` such turns, one last turn may only answer.
-
+The question goes into the instruction below, one user message in the chat template. The model
+writes a turn until it closes </search> or </answer> (an end-of-turn token is dropped, as Search-R1
+decodes without special tokens) or hits the turn cap; the turn's first tag pair is its action:
+    search  -> "\n\n<information>" + the top-k documents + "</information>\n\n" (observation cap)
+    answer  -> the trajectory ends
+    neither -> the invalid-action message is appended
+and the model writes on; after `max_turns` such turns one last turn may only answer.
 A trajectory is (tokens, loss_mask, logprobs, ...): loss_mask is 1 exactly where the policy sampled
-the token; prompt, observations and injected messages are 0. GRPO and OFSD both use it, and
-`token_logprobs` (a policy's log-probs at those tokens) is their one way to read it.
-Reward: EM of the last <answer> the model wrote against any gold answer, both normalised (lowercase,
-no punctuation or articles, whitespace squeezed); no format reward.
+the token (prompt, observations, injected messages: 0), for GRPO and OFSD alike. Reward: EM of the
+last <answer> against any gold answer, both normalised as SQuAD; no format reward.
 
-Decoding is generate.decode's; this file hands it the prompts and the turn (`turn_end`). Left out:
-paged attention, vLLM.
+Decoding is generate.decode's: this file hands it the prompts and `turn_end`. Left out: vLLM.
 
     python rollout.py CHECKPOINT_DIR INDEX_DIR "Who founded the company that makes the iPhone?"
 """
@@ -28,11 +22,9 @@ import sys
 from dataclasses import dataclass, field, replace
 
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 import generate
-from model import load, pad_right
+from model import load
 from retriever import format_docs
 
 INSTRUCTION = (
@@ -70,8 +62,7 @@ class RolloutConfig:
         return replace(self, temperature=0.0, top_p=1.0)
 
 
-# Search-R1's own settings (train_grpo.sh: max_turns=2, max_response_length and max_obs_length 500,
-# retriever.topk 3), eval.py's defaults
+# Search-R1's own settings (train_grpo.sh), eval.py's defaults
 SEARCH_R1 = RolloutConfig(max_turns=2, max_turn_tokens=500, max_obs_tokens=500, top_k=3)
 
 def make_prompt(question):
@@ -118,9 +109,8 @@ def em_rewards(trajs, questions, group_size):
 
 
 def max_response_tokens(tokenizer, cfg):
-    """The most KV-cache slots a response can take after its prompt: max_turns searching turns and
-    the answer-only turn, each up to max_turn_tokens plus a dropped end-of-turn token's slot, and
-    after each searching turn an observation or the invalid-action message, whichever is longer."""
+    """The most KV-cache slots a response can take: every turn at its cap plus a dropped end-of-turn
+    token, and after each searching turn the longer of an observation and the invalid-action message."""
     env = max(cfg.max_obs_tokens, len(tokenizer.encode(INVALID)))
     return (cfg.max_turns + 1) * (cfg.max_turn_tokens + 1) + cfg.max_turns * env
 
@@ -160,15 +150,14 @@ class Trajectory:
 
 @torch.no_grad()
 def rollout(model, tokenizer, retriever, questions, group_size, cfg, generator=None, contexts=None, uniforms=None):
-    """len(questions) x group_size trajectories, question-major (q0 g0, q0 g1, ...). `contexts`: text
-    appended to each question's user message (OFSD's teacher view). Trajectory i draws its k-th token
-    at uniforms[i, k] (default: drawn from `generator`), so what it samples does not depend on the
-    rows beside it or on cfg.rollout_rows."""
+    """len(questions) x group_size trajectories, question-major. `contexts`: text appended to each
+    user message (OFSD's teacher view). Trajectory i samples its k-th token at uniforms[i, k] (default:
+    from `generator`): the rows beside it and cfg.rollout_rows change nothing."""
     G, contexts = group_size, contexts or [""] * len(questions)
     u = uniforms
-    if u is None and cfg.temperature > 0:
-        u = torch.rand(len(questions) * G, (cfg.max_turns + 1) * cfg.max_turn_tokens,  # (N, most sampled tokens)
-                       generator=generator, device=model.model.embed_tokens.weight.device)
+    if u is None and cfg.temperature > 0:  # (N, most sampled tokens)
+        u = torch.rand(len(questions) * G, (cfg.max_turns + 1) * cfg.max_turn_tokens, generator=generator,
+                       device=model.model.embed_tokens.weight.device)
     prompts = [tokenizer.encode(tokenizer.chat_prompt(make_prompt(q) + c)) for q, c in zip(questions, contexts)]
     trajs = [Trajectory(q, len(p)) for q, p in zip(questions, prompts) for _ in range(G)]
     for t, p in zip(trajs, (p for p in prompts for _ in range(G))):
@@ -176,8 +165,7 @@ def rollout(model, tokenizer, retriever, questions, group_size, cfg, generator=N
     invalid_ids = tokenizer.encode(INVALID)
 
     def turn_end(ended):
-        """The Search-R1 turn: answer (done), search (the observation next), neither (the invalid-action
-        message next); after max_turns searching turns, the answer-only turn ends the trajectory."""
+        """The Search-R1 turn for each row that ended one: {row: the tokens to append, None: done}."""
         nxt, searching = {}, []
         for i, toks, lps, _ in ended:
             t, text = trajs[i], tokenizer.decode(toks)
@@ -210,43 +198,6 @@ def rollout(model, tokenizer, retriever, questions, group_size, cfg, generator=N
                     stop_strings=STOP_STRINGS, compile=cfg.compile)
     return trajs
 
-
-# ---------------------------------------------------------------------------------------------
-# a policy's log-probabilities at a trajectory's sampled tokens (GRPO's loss, OFSD's NLL)
-
-def pad_batch(trajs, pad_id, device):
-    """Right-pad trajectories -> ids, valid, loss_mask (B, T) and the rollout log-probs (B, T)."""
-    ids, valid = pad_right([t.tokens for t in trajs], pad_id, device)
-    mask = pad_right([t.loss_mask for t in trajs], 0, device)[0].bool()
-    old = torch.zeros(ids.shape, device=device)
-    for i, t in enumerate(trajs):
-        old[i, :len(t.logprobs)] = torch.tensor(t.logprobs, device=device)
-    return ids, valid, mask, old
-
-
-HEAD_CHUNK = 512  # loss positions per LM-head chunk: a (512, V) float32 block at a time (memory, not results)
-
-
-def _head(h, weight, targets, temperature):
-    """One chunk of the LM head: (C, d) hidden states -> log p(target) and the entropy, each (C,)."""
-    logits = F.linear(h, weight)  # (C, V), in float32 at least (float64 stays float64)
-    log_p = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, -1)
-    return log_p.gather(-1, targets[:, None]).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
-
-
-def token_logprobs(model, ids, valid, mask, temperature, entropy=False, chunk=HEAD_CHUNK):
-    """log softmax(logits / temperature) of each token where mask is 1, (n_masked,), and with
-    entropy=True each distribution's entropy, (n_masked,). The LM head runs `chunk` positions at a
-    time, recomputed in backward: autograd keeps no (n, V) tensor."""
-    pred = mask[:, 1:]  # token t is predicted from position t - 1
-    h_sel = model.hidden(ids, valid=valid, select=F.pad(pred, (0, 1)))  # (n, d)
-    targets = ids[:, 1:][pred]  # (n,)
-    weight, parts = model.lm_head_weight, []
-    for c in range(0, len(targets), chunk):
-        args = (h_sel[c:c + chunk], weight, targets[c:c + chunk], temperature)
-        parts.append(checkpoint(_head, *args, use_reentrant=False) if torch.is_grad_enabled() else _head(*args))
-    logp, ent = (torch.cat(x) for x in zip(*parts)) if parts else (h_sel.new_zeros(0).float(),) * 2  # (n,)
-    return (logp, ent) if entropy else logp
 
 if __name__ == "__main__":
     if len(sys.argv) != 4:

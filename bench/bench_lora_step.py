@@ -1,17 +1,19 @@
 """One GRPO step of the same trajectories with full fine-tuning and through a LoRA adapter, side by
 side: training time, peak memory and the state each holds (#57 item 3; evolve.py --grpo_lora_rank).
 
-Each variant runs in a process of its own, one after the other, as evolve.py runs it: float32 weights
-under FSDP2 with the compute dtype `fsdp.setup` picks (--dtype auto: bfloat16 on a CPU with native
-bfloat16), `grpo.grpo_step` over --questions x --group trajectories in micro-batches of
---micro_batch, activation checkpointing with --checkpointing. Full fine-tuning: AdamW on every
-weight, the KL model a second copy. LoRA rank r: a fresh adapter on every linear, AdamW on it alone,
-the KL model the policy with the adapter off. The trajectories are made, not sampled, the same for
+Each variant runs in a process of its own, one after the other, as evolve.py runs it, in the compute
+dtype `fsdp.setup` picks (--dtype auto: bfloat16 on a CPU with native bfloat16): `grpo.grpo_step` over
+--questions x --group trajectories in micro-batches of --micro_batch, activation checkpointing with
+--checkpointing. Full fine-tuning: float32 masters under FSDP2, AdamW on every weight, the KL model a
+second copy. LoRA rank r: the frozen base held in the compute dtype (`fsdp.wrap`), a fresh float32
+adapter on every linear, AdamW on it alone, the KL model the policy with the adapter off. The trajectories are made, not sampled, the same for
 both (the cost of a step depends on lengths only): the toy world's first train questions' chat
 prompts, then --turns turns of --cap random policy tokens each followed by 256 random observation
 tokens, then a 20-token answer. The peak resident set (VmHWM) is reset when the step starts
 (/proc/self/clear_refs), so it is the step's own; the step is timed twice (the first warms the
 allocator and creates AdamW's moments), the second is reported.
+
+--profile adds each phase's peak resident set and glibc's bytes in use (what is live) to the table.
 
     python3 bench/bench_lora_step.py --checkpoint ~/.cache/qwen2.5-coder-0.5b-instruct --ranks 0,4,16
 """
@@ -37,13 +39,10 @@ def child(args):
     from model import Qwen2Config, load
     from worlds.toyworld import read_jsonl
     width = Qwen2Config.from_json(os.path.join(args.checkpoint, "config.json")).hidden_size
-    _, _, dev, dt = fsdp.setup("cpu", args.dtype, width)
+    _, _, dev, dt = fsdp.setup("cpu", args.dtype, width, masters=not args.rank)
     policy, tok = load(args.checkpoint, dev, torch.float32)
-    kl_model = None if args.rank else load(args.checkpoint, dev, torch.float32)[0].eval()
-    if torch.distributed.is_initialized():
-        fsdp.shard(policy, dt)
-        if kl_model is not None:
-            fsdp.shard(kl_model, dt)
+    policy = fsdp.wrap(policy, dt)  # as evolve.py holds it: FSDP2 with float32 masters, or LoRA's base in dt
+    kl_model = None if args.rank else fsdp.wrap(load(args.checkpoint, dev, torch.float32)[0].eval(), dt)
     if args.rank:
         params = lora.attach(policy, args.rank, 2 * args.rank)
         if hasattr(fsdp, "sum_grads"):  # from #69 on; before, grpo_step summed them
@@ -58,6 +57,7 @@ def child(args):
     adv = torch.linspace(-1, 1, len(trajs)).tolist()
     out = dict(rank=args.rank, dtype=str(dt).removeprefix("torch."), tokens=sum(len(t.tokens) for t in trajs),
                policy_tokens=sum(sum(t.loss_mask) for t in trajs))
+    phases = profile_phases(policy.model.layers[0].__class__, optimizer) if args.profile else None
     for attempt in ("warm", "timed"):
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # the peak starts again from what is resident now
@@ -66,9 +66,70 @@ def child(args):
         grpo_step(policy, kl_model, optimizer, trajs, adv, micro_batch=args.micro_batch, clip_ratio=0.2,
                   kl_coef=0.001, entropy_coef=0.001, temperature=1.0, max_grad_norm=1.0, pad_id=tok.pad_id)
         out[attempt] = dict(seconds=time.perf_counter() - t0, resident_gb=resident / 1e9, peak_gb=peak() / 1e9)
+        if phases is not None:
+            out[attempt]["phases"] = phases()
     held = fsdp.state_bytes(policy, optimizer, kl_model)[0]
     out["state_gb"] = {k: v / 1e9 for k, v in held.items()}
     print(json.dumps(out))
+
+
+def profile_phases(block_class, optimizer):
+    """--profile: sample the resident set and glibc's bytes in use (mallinfo2: live tensors and
+    Python objects, not the freed memory glibc keeps) every 5 ms, each sample labelled with the phase
+    running: the KL pass (no grad, adapter off), the forward, the backward's LM-head chunks and decoder
+    layers (each recomputed, then differentiated), AdamW. Returns a function giving, since its last call,
+    each phase's largest (resident GB, in-use GB), in the order the phases first ran."""
+    import ctypes
+    import threading
+    import torch
+    import grpo
+    import logprobs
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks "
+                                                  "fordblks keepcost".split()]
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    phase, samples = ["idle"], []
+
+    def sample():
+        while True:
+            with open("/proc/self/statm") as f:
+                resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            m = libc.mallinfo2()
+            samples.append((phase[0], resident, m.uordblks + m.hblkhd))
+            time.sleep(0.005)
+
+    logprobs_fn, head, layer, step = grpo.token_logprobs, logprobs._head, block_class.layer, optimizer.step
+
+    def token_logprobs(*a, **k):
+        phase[0] = "forward" if torch.is_grad_enabled() else "KL pass"
+        out = logprobs_fn(*a, **k)
+        phase[0] = "backward" if torch.is_grad_enabled() else phase[0]
+        return out
+
+    def head_chunk(*a):
+        phase[0] = "backward: LM head" if phase[0].startswith("backward") else phase[0]
+        return head(*a)
+
+    def decoder_layer(self, *a):
+        phase[0] = "backward: layers" if phase[0].startswith("backward") else phase[0]
+        return layer(self, *a)
+
+    def adamw(*a, **k):
+        phase[0] = "AdamW"
+        return step(*a, **k)
+    grpo.token_logprobs, logprobs._head, block_class.layer, optimizer.step = token_logprobs, head_chunk, decoder_layer, adamw
+    threading.Thread(target=sample, daemon=True).start()
+
+    def report():
+        by = {}
+        for name, resident, live in samples:
+            r, l = by.get(name, (0, 0))
+            by[name] = (max(r, resident / 1e9), max(l, live / 1e9))
+        samples.clear()
+        return by
+    return report
 
 
 def main():
@@ -84,6 +145,7 @@ def main():
     ap.add_argument("--checkpointing", action="store_true")
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--profile", action="store_true", help="each phase's peak resident and in-use memory (Linux, glibc)")
     ap.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)  # set in the child process
     args = ap.parse_args()
     if args.rank is not None:
@@ -113,6 +175,11 @@ def main():
         print(f"| {'full fine-tuning' if x['rank'] == 0 else 'LoRA rank ' + str(x['rank'])} | {x['dtype']} | "
               f"{x['tokens']:,} ({x['policy_tokens']:,}) | {t['seconds']:.1f} | {ratio} | {t['resident_gb']:.2f} | "
               f"{t['peak_gb']:.2f} | {s['params']:.2f} / {s['grads']:.2f} / {s['optimizer']:.2f} / {s['reference']:.2f} |")
+    for x in rows if args.profile else ():
+        print(f"\n{'full fine-tuning' if x['rank'] == 0 else 'LoRA rank ' + str(x['rank'])}, the timed step, by phase:\n"
+              "| phase | peak resident GB | peak in use (glibc) GB |\n|---|---|---|")
+        for name, (resident, live) in x["timed"]["phases"].items():
+            print(f"| {name} | {resident:.2f} | {live:.2f} |")
 
 
 if __name__ == "__main__":

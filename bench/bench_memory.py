@@ -5,7 +5,7 @@ Three parts, printed as tables:
    the KL term's model) of the toy backbone and, given --checkpoint, a real Qwen2.5 checkpoint,
    on 1 process and on 2 gloo ranks, against the formula the table below uses.
 2. Measured activations: the bytes autograd saves for backward (saved-tensor hooks, distinct
-   storages) in `rollout.token_logprobs` through one decoder layer at each size's real dimensions,
+   storages) in `logprobs.token_logprobs` through one decoder layer at each size's real dimensions,
    in bfloat16, with and without activation checkpointing: per token per layer, and per loss
    token at the LM head (log-softmax over the vocabulary, entropy).
 3. The memory table: per GPU on 1 and 8 GPUs, from those formulas and measurements, for the
@@ -35,7 +35,7 @@ from tokenizer import Tokenizer  # noqa: E402
 from common import SIZES, n_params, state_formula  # noqa: E402  (bench/common.py)
 from grpo import GRPOConfig  # noqa: E402
 from evolve import settings  # noqa: E402
-from rollout import token_logprobs  # noqa: E402
+from logprobs import token_logprobs  # noqa: E402
 
 GB = 1e9
 # docs/real-scale.md's rollout: 64 trajectories decoded at once, a 300-token prompt, 4 searching turns

@@ -114,7 +114,7 @@ def decode(model, tokenizer, batch, steps, prompt=256):
 
 
 def grpo_pass(model, batch, length):
-    """Seconds of one forward + backward of the policy's log-probs and entropy (rollout.token_logprobs)."""
+    """Seconds of one forward + backward of the policy's log-probs and entropy (logprobs.token_logprobs)."""
     ids = torch.tensor(prompts(model.config.vocab_size, batch, length, 2))
     valid = torch.ones_like(ids, dtype=torch.bool)
     mask = torch.zeros_like(valid)
@@ -131,9 +131,13 @@ def grpo_pass(model, batch, length):
 # it; one group, rollout.RolloutConfig / grpo.GRPOConfig / ofsd.OFSDConfig, from it on)
 
 def token_logprobs():
-    """rollout.token_logprobs (grpo.token_logprobs before #69)."""
+    """logprobs.token_logprobs (rollout's, then grpo's, before it had a file)."""
+    import importlib.util
     import grpo
     import rollout
+    if importlib.util.find_spec("logprobs"):
+        import logprobs
+        return logprobs.token_logprobs
     return getattr(rollout, "token_logprobs", None) or grpo.token_logprobs
 
 

@@ -26,7 +26,8 @@ import lora  # noqa: E402
 import ofsd  # noqa: E402
 from clipped_kl import CLIPS  # noqa: E402
 from evolve import settings  # noqa: E402
-from rollout import Trajectory, make_prompt, pad_batch, token_logprobs  # noqa: E402
+from logprobs import pad_batch, token_logprobs  # noqa: E402
+from rollout import Trajectory, make_prompt  # noqa: E402
 
 QUESTIONS = ["which river flows through Paris", "who founded Tokyo", "which lake is near London",
              "when was Ada Lovelace born"]

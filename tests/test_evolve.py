@@ -150,7 +150,11 @@ def test_help_lists_every_setting_with_its_default_and_comment():
 def test_overrides_parse_types():
     """An int is accepted for a float; bools take true/false; --resume alone is True."""
     sys.path.insert(0, ROOT)
-    from evolve import parse_overrides
+    import configurator
+    import evolve
+
+    def parse_overrides(argv):
+        return configurator.parse(argv, evolve.DEFAULTS, evolve.__file__, evolve.__doc__)
     o = parse_overrides(["--lr=1", "--ofsd_rounds=false", "--resume", "--grpo_steps=7", "--out_dir=x"])
     assert o == {"lr": 1.0, "ofsd_rounds": False, "resume": True, "grpo_steps": 7, "out_dir": "x"}
     assert isinstance(o["lr"], float)
@@ -161,7 +165,11 @@ def test_overrides_parse_types():
 def test_overrides_expand_home_in_paths():
     """--model_dir=~/x names the home folder's x (bash expands no ~ after `=`); other strings stay."""
     sys.path.insert(0, ROOT)
-    from evolve import parse_overrides
+    import configurator
+    import evolve
+
+    def parse_overrides(argv):
+        return configurator.parse(argv, evolve.DEFAULTS, evolve.__file__, evolve.__doc__)
     o = parse_overrides(["--model_dir=~/ckpt", "--out_dir=runs/a", "--device=cpu"])
     assert o == {"model_dir": os.path.join(os.path.expanduser("~"), "ckpt"), "out_dir": "runs/a", "device": "cpu"}
 

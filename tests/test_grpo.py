@@ -12,7 +12,7 @@ from conftest import AGENT_QUESTION
 from test_rollout import run
 from grpo import GRPOConfig
 from evolve import settings
-from rollout import pad_batch, token_logprobs
+from logprobs import pad_batch, token_logprobs
 
 
 @pytest.mark.parametrize("pred,golds,want", [

@@ -1,23 +1,29 @@
 """GRPO through a LoRA adapter (evolve.py --grpo_lora_rank) and a policy as its base and adapters (lora.py)."""
 
 import copy
+import gc
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+import checkpoint
+import fsdp
 import grpo
 import lora
 from conftest import AGENT_QUESTION
-from model import save
+from model import load, save
 from test_evolve import evolve as run_evolve
 from test_rollout import run
 from grpo import GRPOConfig
 from evolve import settings
-from rollout import pad_batch, token_logprobs
+from logprobs import pad_batch, token_logprobs
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def lora_step(agent, tokenizer, search_index, seed=0):
@@ -185,3 +191,67 @@ def test_initial_kl_model_after_a_merge_is_refused(micro, tmp_path):
     p = run_evolve([*micro, "--grpo_lora_rank=4", "--kl_policy=initial", "--iterations=2", f"--out_dir={out}"])
     assert p.returncode != 0 and not out.exists()
     assert "--kl_policy=initial with --grpo_lora_rank=4" in p.stderr
+
+
+def test_a_bfloat16_base_steps_as_fsdp_mixed_precision(tiny_checkpoint):
+    """A LoRA step on a base held in bfloat16 (one process) equals FSDP2's one-rank mixed precision over
+    float32 masters: the same loss, bit for bit the same adapter gradients."""
+    p = subprocess.run([sys.executable, "tests/bf16_base_step.py", tiny_checkpoint], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["dtype"] == "torch.bfloat16" and out["grad_max"] > 0
+    assert out["held"] == out["sharded"] and out["grad_diff"] == 0.0
+
+
+def test_a_merge_into_a_bfloat16_base_is_the_float32_chain_cast(tiny_checkpoint, tmp_path):
+    """A LoRA run holding its base in bfloat16 merges an adapter in float32 (Run.merge): the weights are
+    the cast of base + update in float32, which adding the update to bfloat16 weights would round away."""
+    run = checkpoint.Run(str(tmp_path / "run"), dict(resume=False, overwrite=False), 0, 1, ())
+    policy = fsdp.wrap(run.load_policy(tiny_checkpoint, "cpu", lora_chain=True), torch.bfloat16)
+    exact = load(tiny_checkpoint)[0]
+    torch.manual_seed(0)
+    adapter = lora.attach(policy, 4, 8)
+    with torch.no_grad():
+        for p in adapter:
+            p.add_(torch.randn_like(p) * 1e-2)  # an update far smaller than the weights
+    naive = copy.deepcopy(policy)
+    for m, a in ((exact, adapter), (naive, None)):
+        if a is not None:
+            lora.attach(m, 4, 8)
+            for p, q in zip(lora._wrapped(m), lora._wrapped(policy)):
+                p[1].lora_A.weight.data.copy_(q[1].lora_A.weight)
+                p[1].lora_B.weight.data.copy_(q[1].lora_B.weight)
+        lora.merge(m)
+    run.merge(policy, adapter, "01-grpo")
+    assert os.path.isfile(tmp_path / "run" / "adapters" / "01-grpo" / "adapter_model.safetensors")
+    weights = dict(policy.named_parameters())
+    assert all(torch.equal(weights[n], p.to(torch.bfloat16)) for n, p in exact.named_parameters())
+    assert any(not torch.equal(weights[n], p) for n, p in naive.named_parameters())
+
+
+def live_tensors():
+    """(count, bytes) of every torch tensor the process can still reach."""
+    gc.collect()
+    ts = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    return len(ts), sum(t.untyped_storage().nbytes() for t in ts)
+
+
+def test_lora_rounds_keep_no_tensor_alive(agent, tokenizer, search_index, tmp_path):
+    """Three LoRA GRPO rounds in one process (a fresh adapter, a step, the merge into the run's chain) leave
+    the same tensors alive after the third round as after the first: nothing piles up across rounds."""
+    save(agent, tokenizer, str(tmp_path / "base"))
+    run = checkpoint.Run(str(tmp_path / "run"), dict(resume=False, overwrite=False), 0, 1, ())
+    policy = fsdp.wrap(run.load_policy(str(tmp_path / "base"), "cpu", lora_chain=True), torch.float32)
+    cfg = settings(GRPOConfig, grpo_steps=1, questions_per_step=2, ppo_mini_batch=2, group_size=3, micro_batch=4,
+                   max_turns=1, max_turn_tokens=24, max_obs_tokens=64, temperature=1.0)
+    question = dict(question=AGENT_QUESTION, golden_answers=["Seine"])
+    gen, live = torch.Generator().manual_seed(0), []
+    for r in range(3):
+        adapter = lora.attach(policy, 4, 8)
+        opt = torch.optim.AdamW(adapter, lr=1e-2, weight_decay=0.0)
+        grpo.grpo_round(policy, None, opt, tokenizer, search_index, lambda: [question] * 2, cfg, gen, r, log=lambda m: None)
+        run.merge(policy, adapter, f"{r:02d}-grpo")
+        del adapter, opt
+        live.append(live_tensors())
+    assert len(run.chain["adapters"]) == 3 and live[2] == live[0], live

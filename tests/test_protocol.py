@@ -17,7 +17,8 @@ from test_rollout import run
 from ofsd import OFSDConfig
 from grpo import GRPOConfig
 from evolve import settings
-from rollout import RolloutConfig, token_logprobs
+from logprobs import token_logprobs
+from rollout import RolloutConfig
 
 QWEN25_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 MESSAGES = ["Who wrote Hamlet?", make_prompt("who founded Paris"), "Ünïcode {braces} 'quotes' \\n <b>"]
