@@ -12,6 +12,7 @@ Left out: sampling-based metrics (pass@k), LLM-as-judge or F1 scoring.
 """
 
 import json
+import math
 import os
 import resource
 import sys
@@ -189,6 +190,21 @@ def read_questions(path, limit=0):
     if not rows:
         raise ValueError(f"{path}: no questions in the file")
     return rows
+
+
+def sign_test(wins_a, wins_b):
+    """Exact two-sided sign test of wins_a against wins_b (ties dropped): p."""
+    n = wins_a + wins_b
+    return min(1.0, 2 * sum(math.comb(n, k) for k in range(min(wins_a, wins_b) + 1)) / 2 ** n) if n else 1.0
+
+
+def paired(a, b):
+    """(questions only A gets right, only B gets right, the sign test's p) for per-question EM lists of
+    one test set: A beats B when it has more of the first (= more right) and p < 0.05."""
+    if len(a) != len(b):
+        raise ValueError(f"per-question EM of {len(a)} and {len(b)} questions: not the same test set")
+    wa, wb = sum(x > y for x, y in zip(a, b)), sum(y > x for x, y in zip(a, b))
+    return wa, wb, sign_test(wa, wb)
 
 
 def peak_line():

@@ -18,28 +18,13 @@ a row is left out of that comparison and the line says on how many draws it stan
 """
 
 import json
-import math
 import sys
 
-from real_ofsd import draw, label
+from real_ofsd import draw, label  # puts the repository on sys.path (experiments/common.py)
+from eval import paired  # noqa: E402  (the exact paired sign test)
 
 BASES = ("none-round", "rft")
 NO_ANSWER_VIEWS = ("queries", "group_queries")
-
-
-def sign_test(wins_a, wins_b):
-    """Exact two-sided sign test of wins_a against wins_b (ties dropped): p."""
-    n = wins_a + wins_b
-    return min(1.0, 2 * sum(math.comb(n, k) for k in range(min(wins_a, wins_b) + 1)) / 2 ** n) if n else 1.0
-
-
-def paired(a, b):
-    """(questions only A gets right, only B gets right, the sign test's p) for per-question EM lists of
-    one test set: A beats B when it has more of the first (= more right) and p < 0.05."""
-    if len(a) != len(b):
-        raise ValueError(f"per-question EM of {len(a)} and {len(b)} questions: not the same test set")
-    wa, wb = sum(x > y for x, y in zip(a, b)), sum(y > x for x, y in zip(a, b))
-    return wa, wb, sign_test(wa, wb)
 
 
 def read_rows(paths):

@@ -1,19 +1,27 @@
-"""experiments/verdict.py: the declared paired rule, pinned against an independent sign test, and the
-committed rows giving the committed verdict."""
+"""The declared paired rule: eval.sign_test pinned against an independent sign test, and
+experiments/verdict.py, run as a user runs it, on made rows and on the committed rows."""
 
 import glob
-import io
+import json
 import os
 import re
+import subprocess
 import sys
-from contextlib import redirect_stdout
 from fractions import Fraction
 
 import pytest
 
+from eval import sign_test
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "experiments"))
-import verdict  # noqa: E402
+
+
+def verdict(*paths):
+    """What `python experiments/verdict.py PATHS` prints."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "verdict.py"), *map(str, paths)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return p.stdout
 
 
 def binomial_two_sided(wins_a, wins_b):
@@ -39,23 +47,23 @@ def row(arm, seed, em):
 
 @pytest.mark.parametrize("wins", [(13, 4), (12, 4), (9, 1), (20, 9), (0, 0), (5, 5)])
 def test_sign_test_is_the_exact_binomial(wins):
-    """verdict.sign_test equals the exact two-sided binomial test computed independently."""
-    assert verdict.sign_test(*wins) == pytest.approx(binomial_two_sided(*wins), abs=1e-12)
+    """eval.sign_test equals the exact two-sided binomial test computed independently."""
+    assert sign_test(*wins) == pytest.approx(binomial_two_sided(*wins), abs=1e-12)
 
 
-def test_rule_gains_at_p_just_under_005_and_not_just_over():
+def test_rule_gains_at_p_just_under_005_and_not_just_over(tmp_path):
     """An arm 13:4 ahead on two draws (p 0.049) gains; one 12:4 ahead (p 0.077) does not; ties never count;
     one beaten draw forbids a gain; one beat alone is not enough."""
     assert binomial_two_sided(13, 4) < 0.05 < binomial_two_sided(12, 4)
-    draws = ("(P, 0)", "(P, 1)", "(P, 2)")
     beat, short, level = ems(13, 4, both=40, neither=60), ems(12, 4, both=40, neither=60), ems(0, 0, 20, 97)
     lost = ems(4, 13, both=40, neither=60)  # 100 ties in each: counting them would make every p tiny
 
     def line(pairs):
         """The rule's line for an arm against none-round with (arm EM, base EM) on each draw."""
-        arms = {"arm": {d: row("arm", k, p[0]) for k, (d, p) in enumerate(zip(draws, pairs))},
-                "none-round": {d: row("none-round", k, p[1]) for k, (d, p) in enumerate(zip(draws, pairs))}}
-        return verdict.compare(arms, "arm", "none-round")
+        path = tmp_path / "rows.jsonl"
+        path.write_text("".join(json.dumps(row(arm, k, p[j])) + "\n" for k, p in enumerate(pairs)
+                                for j, arm in enumerate(("arm", "none-round"))))
+        return next(x for x in verdict(path).splitlines() if x.startswith("  arm over none-round"))
     under = line([beat, beat, level])
     assert under.endswith("-> GAIN") and under.count("BEATS") == 2 and "p 0.049" in under
     over = line([short, short, level])
@@ -67,22 +75,19 @@ def test_rule_gains_at_p_just_under_005_and_not_just_over():
 
 
 def test_a_reused_row_never_replaces_an_evaluated_one(tmp_path):
-    """read_rows keeps the evaluated row of an arm and draw over a row that copied another's test."""
-    import json
+    """verdict.py keeps the evaluated row of an arm and draw over a row that copied another's test."""
     fresh, copied = row("none-round", 0, [1.0, 0.0]), row("none-round", 0, [0.0, 0.0])
     fresh["test_from"], copied["test_from"] = "evaluated", "reused: (P, 1)"
     for order in ((fresh, copied), (copied, fresh)):
         path = tmp_path / "rows.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in order))
-        assert verdict.read_rows([str(path)])["none-round"]["(P, 0)"]["test_from"] == "evaluated"
+        assert "| none-round | 0.500 EM, 1.00 searches |" in verdict(path)
 
 
 def test_committed_rows_give_the_committed_verdict():
     """verdict.py over docs/data/p-lora-arms/*.jsonl prints docs/data/p-lora-arms/verdict.txt exactly."""
     folder = os.path.join(ROOT, "docs", "data", "p-lora-arms")
-    out = io.StringIO()
-    with redirect_stdout(out):
-        verdict.main(sorted(glob.glob(os.path.join(folder, "*.jsonl"))))
+    out = verdict(*sorted(glob.glob(os.path.join(folder, "*.jsonl"))))
     with open(os.path.join(folder, "verdict.txt")) as f:
-        assert out.getvalue() == f.read()
-    assert re.search(r"ofsd-none over none-round \(3 draws\).*BEATEN.*BEATEN.*BEATEN.*no gain", out.getvalue())
+        assert out == f.read()
+    assert re.search(r"ofsd-none over none-round \(3 draws\).*BEATEN.*BEATEN.*BEATEN.*no gain", out)
