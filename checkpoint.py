@@ -200,15 +200,15 @@ class Run:
         self.state = dict(done=0, step=0, results=[], metrics_lines=0, world_size=world_size)
         self.chain = None  # a LoRA run's base and adapters, in merge order
 
-    def load_policy(self, start_model, device, lora_chain):
-        """The policy in float32: the start model, or the last checkpoint's when resuming (a fresh
+    def load_policy(self, start_model, device, dtype, lora_chain):
+        """The policy in `dtype`: the start model, or the last checkpoint's when resuming (a fresh
         run claims its directory first). With `lora_chain` the run keeps its policy as a chain."""
         if not self.resume and self.rank == 0:
             claim_run_dir(self.out_dir)
         barrier()
         path = recover(self.ckpt_dir, self.rank) if self.resume else start_model
         self.chain = lora.read_chain(path) if lora_chain else None
-        return lora.load_policy(path, device, torch.float32)[0]
+        return lora.load_policy(path, device, dtype)[0]
 
     def restore(self, policy, optimizer, rng, gen):
         """When resuming: the optimizer, the random states and the loop's state from the checkpoint;

@@ -21,7 +21,7 @@ import torch
 
 import configurator
 from checkpoint import write_atomic
-from fsdp import bound_host_memory, device_and_dtype
+from fsdp import device_and_dtype
 import lora
 from model import Qwen2Config
 from retriever import load_index
@@ -248,7 +248,6 @@ def main():
     data = {path: read_questions(path, cfg["limit"]) for path in files}  # every file, first
     width = Qwen2Config.from_json(os.path.join(lora.base_dir(cfg["model_dir"]), "config.json")).hidden_size
     device, dtype = device_and_dtype(cfg["device"], cfg["dtype"], width)
-    bound_host_memory(device, width)  # on a CPU, a real checkpoint's large tensors each their own mapping
     configurator.check_compile(cfg["compile"], device)
     print(f"{cfg['model_dir']}: {device}, {str(dtype).removeprefix('torch.')}", file=sys.stderr)
     model, tok = lora.load_policy(cfg["model_dir"], device, dtype)  # a checkpoint, or a base and its adapters

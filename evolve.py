@@ -124,7 +124,7 @@ def main():
     gen = torch.Generator(device=dev).manual_seed(seed * 1000 + rank)
     torch.manual_seed(seed)  # LoRA initialisation (checkpointed: exact resume)
     # as this process holds it: FSDP2 over float32 masters in a process group, else in dt (fsdp.wrap)
-    policy = fsdp.wrap(run.load_policy(start_model, dev, lora_chain=grpo_lora_rank > 0), dt)
+    policy = fsdp.wrap(run.load_policy(start_model, dev, fsdp.held_dtype(dt), lora_chain=grpo_lora_rank > 0), dt)
     policy.checkpoint_layers = activation_checkpointing
     # full fine-tuning's AdamW, kept across rounds (a LoRA run makes one a round)
     optimizer = None if grpo_lora_rank else torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
@@ -194,7 +194,8 @@ class KLModel:
             fsdp.sum_grads(adapter)
             return adapter, torch.optim.AdamW(adapter, lr=grpo_lora_lr, weight_decay=0.0)
         if self.model is None:  # the first round, or one after an OFSD round
-            self.model = fsdp.wrap(lora.load_policy(self.start_model, self.device)[0], self.compute_dtype)
+            dt = self.compute_dtype
+            self.model = fsdp.wrap(lora.load_policy(self.start_model, self.device, fsdp.held_dtype(dt))[0], dt)
         if kl_policy == "round":
             fsdp.copy_weights(self.model, policy)
         return None, optimizer

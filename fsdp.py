@@ -91,23 +91,6 @@ def trim_host_memory():
         _LIBC.malloc_trim(0)
 
 
-M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
-HOST_MMAP_THRESHOLD = 8 << 20  # bytes: a host allocation this large gets a mapping of its own
-
-
-def bound_host_memory(device, hidden_size):
-    """For a real checkpoint (hidden_size >= BF16_MIN_HIDDEN) on a CPU, make glibc map each allocation of
-    HOST_MMAP_THRESHOLD bytes or more on its own and unmap it when freed (a no-op off glibc; the toy's
-    small tensors keep reusing the heap). By default glibc raises that threshold to 32 MB as large
-    blocks are freed, so a training step's activations (1-30 MB, their lengths changing every
-    micro-batch) land in its heaps, which fragment and grow: a real 0.5B's LoRA step held 8.6 GB
-    resident for 3.3 GB of live tensors. At 8 MB a layer's float32 temporaries (15.6 MB for 4,344
-    tokens) come and go as mappings while its bfloat16 ones stay in the heap: the step's peak 3.8 GB
-    at 1.06x the time; at 1 MB 2.8 GB at 1.2-1.3x; at 16 MB 5.5 GB (docs/benchmarks.md)."""
-    if device == "cpu" and hidden_size >= BF16_MIN_HIDDEN and _LIBC is not None and hasattr(_LIBC, "mallopt"):
-        _LIBC.mallopt(M_MMAP_THRESHOLD, HOST_MMAP_THRESHOLD)
-
-
 def setup(device, dtype, hidden_size, masters=True):
     """Ranks, device and compute dtype (`device_and_dtype`). Under torchrun (RANK set): one process
     per device (nccl on CUDA, gloo on CPU). A process group means a sharded policy (`shard`), so
@@ -118,7 +101,6 @@ def setup(device, dtype, hidden_size, masters=True):
     dev, dt = device_and_dtype(device, dtype, hidden_size)
     if dev.startswith("cuda"):
         torch.cuda.set_device(dev)
-    bound_host_memory(dev, hidden_size)
     backend = "nccl" if dev.startswith("cuda") else "gloo"
     if "RANK" in os.environ:
         dist.init_process_group(backend)
@@ -156,6 +138,12 @@ def shard(model, compute_dtype):
         m.set_gradient_divide_factor(1.0)  # sum over ranks: the loss is already a global token mean
         m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
     return model
+
+
+def held_dtype(compute_dtype):
+    """The dtype a process keeps the weights in: float32 masters when sharded (a process group is up),
+    else the compute dtype (load in it: no float32 copy first)."""
+    return torch.promote_types(compute_dtype, torch.float32) if dist.is_initialized() else compute_dtype
 
 
 def wrap(model, compute_dtype):

@@ -40,14 +40,25 @@ class KVCache:
     """Preallocated keys/values for every layer, (L, B, H_kv, max_len + 1, D), and per row the number
     of tokens it holds (`end`, (B,)): row b's tokens are in slots 0 .. end[b]-1, in order, and slot i
     holds the token at rotary position i. A forward reads slots 0 .. span - 1 and writes padding to
-    slot `span`, a scratch slot it does not read (span = max_len, or less through `upto`)."""
+    slot `span`, a scratch slot it does not read (span = max_len, or less through `upto`). The tensors
+    are allocated empty and zeroed slot by slot as forwards first reach them (`_clear`): a cache sized
+    for the longest possible row takes memory only for the slots its rows have reached."""
 
     def __init__(self, cfg, batch, max_len, device, dtype):
         shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len + 1, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.k = torch.empty(shape, device=device, dtype=dtype)
+        self.v = torch.empty(shape, device=device, dtype=dtype)
         self.end = torch.zeros(batch, dtype=torch.long, device=device)  # (B,)
         self.span = max_len
+        self.cleared = [0]  # slots 0 .. cleared[0] - 1 are zero or written, in every row; shared with views
+
+    def _clear(self, n):
+        """Zero slots cleared .. n - 1 of every row, the first time a forward or a copy reaches them."""
+        c = self.cleared[0]
+        if n > c:
+            self.k[:, :, :, c:n].zero_()
+            self.v[:, :, :, c:n].zero_()
+            self.cleared[0] = n
 
     @property
     def max_len(self):
@@ -58,6 +69,8 @@ class KVCache:
         slots (B, T)); returns slots 0 .. span - 1 of the layer, (B, Hkv, span, D) each. The write is an
         in-place index_put_ on the whole cache tensor, which torch.compile keeps in place (on a view of
         it, a compiled step would copy the whole cache back)."""
+        if not torch.compiler.is_compiling():  # (a compiled step's caller cleared them: `upto`)
+            self._clear(self.span + 1)
         rows, slots = where
         heads = torch.arange(k.shape[1], device=k.device)
         at = (torch.full_like(rows, layer)[:, :, None], rows[:, :, None], heads[None, :, None], slots[:, None, :])
@@ -71,8 +84,9 @@ class KVCache:
         forward. Slot span is then the scratch slot: no row holds it yet, and the forward does not read it."""
         if span > self.max_len:
             raise ValueError(f"KV cache full: a row would hold {span} tokens > max_len {self.max_len}")
+        self._clear(span + 1)
         view = KVCache._of(self.k, self.v, self.end)
-        view.span = span
+        view.span, view.cleared = span, self.cleared
         return view
 
     @property
@@ -105,6 +119,7 @@ class KVCache:
         s = sub.length
         if s > self.max_len:
             raise ValueError(f"KV cache full: a row would hold {s} tokens > max_len {self.max_len}")
+        self._clear(s)
         self.k[:, idx, :, :s], self.v[:, idx, :, :s] = sub.k[:, src, :, :s], sub.v[:, src, :, :s]
         self.end[idx] = sub.end[src]
 
@@ -112,7 +127,7 @@ class KVCache:
     def _of(k, v, end):
         """A cache over the given tensors (views of another cache's, or new ones)."""
         new = object.__new__(KVCache)
-        new.k, new.v, new.end, new.span = k, v, end, k.shape[3] - 1
+        new.k, new.v, new.end, new.span, new.cleared = k, v, end, k.shape[3] - 1, [k.shape[3]]
         return new
 
     def reorder(self, order):

@@ -29,12 +29,13 @@ import sys
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import fsdp
-from model import load
+from model import load, read_tensors
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -54,9 +55,11 @@ class LoRALinear(nn.Module):
 
     def forward(self, x):
         y = self.base(x)
-        if self.enabled:  # in the adapter's dtype (float32 under bfloat16 compute); in place where autograd allows
-            z = self.lora_B(self.lora_A(self.dropout(x.to(self.lora_A.weight.dtype))))  # (..., out)
-            y.add_(z.mul_(self.scaling).to(y.dtype))
+        if self.enabled:  # float32 weights, their matmuls in x's dtype (mixed precision, as FSDP2 runs every
+            # weight): a bfloat16 step makes no float32 copy of x; the update added in place
+            a, b = self.lora_A.weight.to(x.dtype), self.lora_B.weight.to(x.dtype)  # (r, in), (out, r)
+            z = F.linear(F.linear(self.dropout(x), a), b)  # (..., out)
+            y.add_(z.mul_(self.scaling))
         return y
 
 
@@ -274,37 +277,69 @@ def save_policy(path, chain, base_name=None):
 
 
 def load_policy(path, device="cpu", dtype=torch.float32):
-    """(model, tokenizer) from a checkpoint folder or a policy folder: the base in float32, each
-    adapter merged in order (float32), then cast to `dtype`. A base or an adapter whose bytes are
-    not the ones policy.json names is refused, by name."""
+    """(model, tokenizer) from a checkpoint folder or a policy folder: the base with each adapter merged
+    in order, in float32, then cast to `dtype` (`merged`). A base or an adapter whose bytes are not the
+    ones policy.json names is refused, by name."""
     chain = read_chain(path)
     if chain["base_sha256"] is None:  # a plain checkpoint folder
         return load(path, device, dtype)
     check_chain(path, chain)
-    model, tokenizer = merged(chain, device)
-    model.to(dtype)
-    fsdp.trim_host_memory()  # the float32 weights a cast let go
-    return model, tokenizer
-
-
-def merged(chain, device="cpu"):
-    """(model, tokenizer): the chain's base in float32 with each adapter merged in order (float32)."""
-    model, tokenizer = load(chain["base"], device, torch.float32)
-    for adapter in chain["adapters"]:
-        merge(load_adapter(model, adapter))
+    model, tokenizer = merged(chain, device, dtype)
     for p in model.parameters():
         p.requires_grad_(True)
     return model, tokenizer
 
 
+def merged(chain, device="cpu", dtype=torch.float32):
+    """(model, tokenizer): the chain's base in `dtype`, then `rebase`d: never a float32 model."""
+    model, tokenizer = load(chain["base"], device, dtype)
+    rebase(model, chain)
+    return model, tokenizer
+
+
 @torch.no_grad()
 def rebase(model, chain):
-    """A policy held in the compute dtype (bfloat16) takes the chain merged in float32, cast: an
-    update merged into bfloat16 weights would be rounded away, so a LoRA run merges in float32 on
-    the side (2 GB for a moment at 0.5B) and holds only the cast."""
-    for p, q in zip(model.parameters(), merged(chain, model.lm_head_weight.device)[0].parameters(), strict=True):
-        p.copy_(q)
+    """Every weight of `model` (the chain's base, in any dtype, with the chain's adapters merged or
+    not) that an adapter touches becomes the base's weight read in float32, every adapter's update
+    added in order (merge's arithmetic), then cast: one weight at a time, in place. A policy held in
+    bfloat16 merges so: an update added to bfloat16 weights would be rounded away."""
+    adapters = [_adapter_tensors(a) for a in chain["adapters"]]
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for file, ab, _, targets in adapters:
+        want = {n for n in linears if n.rsplit(".", 1)[-1] in targets}
+        if set(ab) != want:
+            raise ValueError(f"{file}: tensors do not match the model: {sorted(set(ab) ^ want)[:4]}")
+    params = dict(model.named_parameters())
+    for _, name, w in read_tensors(chain["base"], {f"{n}.weight" for _, ab, _, _ in adapters for n in ab}):
+        p = params[name]
+        w = w.to(torch.promote_types(p.dtype, torch.float32))  # (out, in)
+        for file, ab, scaling, _ in adapters:
+            a, b = ab.get(name.removesuffix(".weight"), (None, None))  # (r, in), (out, r)
+            if a is not None:
+                if (b.shape[0], a.shape[1]) != tuple(w.shape):
+                    raise ValueError(f"{file}: the update of {name!r} is {(b.shape[0], a.shape[1])}, the weight {tuple(w.shape)}")
+                dt = torch.promote_types(b.dtype, torch.float32)
+                w += ((b.to(dt) @ a.to(dt)) * scaling).to(w.dtype)
+        p.copy_(w)
     fsdp.trim_host_memory()
+
+
+def _adapter_tensors(path):
+    """(file, {module name: (A, B)}, scaling, target module names) of the adapter saved at `path`."""
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        cfg = json.load(f)
+    if cfg.get("peft_type") != "LORA" or cfg.get("use_dora") or cfg.get("use_rslora"):
+        raise ValueError(f"{path}/adapter_config.json: only plain LoRA adapters are supported")
+    file, ab = os.path.join(path, "adapter_model.safetensors"), {}
+    with safe_open(file, framework="pt", device="cpu") as f:
+        for k in f.keys():  # base_model.model.<module>.lora_A.weight
+            name, part, _ = k.removeprefix("base_model.model.").rsplit(".", 2)
+            ab.setdefault(name, {})[part] = f.get_tensor(k)
+    if any(set(t) != {"lora_A", "lora_B"} for t in ab.values()):
+        raise ValueError(f"{file}: every module needs lora_A.weight and lora_B.weight")
+    targets = cfg["target_modules"]
+    return (file, {n: (t["lora_A"], t["lora_B"]) for n, t in ab.items()}, cfg["lora_alpha"] / cfg["r"],
+            set(targets) if isinstance(targets, list) else {targets})
 
 
 if __name__ == "__main__":

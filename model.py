@@ -302,6 +302,23 @@ def _read_safetensors(file):
         raise ValueError(f"{file}: not a readable safetensors file ({e}): truncated or corrupt?") from None
 
 
+def read_tensors(path, names=None):
+    """(file, name, tensor) for each tensor of a checkpoint folder (or those in `names`), the file opened
+    for each tensor: safetensors maps the file, and a mapping open for a whole load keeps every page it
+    read resident (the checkpoint's size again)."""
+    for file, in_file in _weight_files(path).items():
+        if in_file is None:
+            with _read_safetensors(file) as f:
+                in_file = list(f.keys())
+        for name in in_file if names is None else [n for n in in_file if n in names]:
+            with _read_safetensors(file) as f:
+                try:
+                    t = f.get_tensor(name)
+                except SafetensorError as e:
+                    raise ValueError(f"{file}: tensor {name!r} cannot be read ({e}): truncated or corrupt?") from None
+            yield file, name, t
+
+
 def load(path, device="cpu", dtype=torch.float32):
     """Load a Hugging Face Qwen2 checkpoint folder -> (model, tokenizer). Strict on every tensor."""
     cfg_path = os.path.join(path, "config.json")
@@ -314,22 +331,16 @@ def load(path, device="cpu", dtype=torch.float32):
     model = model.to_empty(device=device).to(dtype)  # one allocation, filled tensor by tensor below
     params = dict(model.named_parameters())
     filled = set()
-    for file, names in _weight_files(path).items():
-        with _read_safetensors(file) as f:
-            for name in names if names is not None else f.keys():
-                if name not in params:
-                    raise ValueError(f"{file}: unexpected tensor {name!r} (not a Qwen2 parameter"
-                                     f"{'; lm_head is tied' if name == 'lm_head.weight' else ''})")
-                try:
-                    t = f.get_tensor(name)
-                except SafetensorError as e:
-                    raise ValueError(f"{file}: tensor {name!r} cannot be read ({e}): truncated or corrupt?") from None
-                if tuple(t.shape) != tuple(params[name].shape):
-                    raise ValueError(f"{file}: tensor {name!r} has shape {tuple(t.shape)}, "
-                                     f"expected {tuple(params[name].shape)}")
-                with torch.no_grad():
-                    params[name].copy_(t)
-                filled.add(name)
+    for file, name, t in read_tensors(path):
+        if name not in params:
+            raise ValueError(f"{file}: unexpected tensor {name!r} (not a Qwen2 parameter"
+                             f"{'; lm_head is tied' if name == 'lm_head.weight' else ''})")
+        if tuple(t.shape) != tuple(params[name].shape):
+            raise ValueError(f"{file}: tensor {name!r} has shape {tuple(t.shape)}, "
+                             f"expected {tuple(params[name].shape)}")
+        with torch.no_grad():
+            params[name].copy_(t)
+        filled.add(name)
     missing = sorted(set(params) - filled)
     if missing:
         raise ValueError(f"{path}: checkpoint lacks tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")

@@ -208,7 +208,7 @@ def test_a_merge_into_a_bfloat16_base_is_the_float32_chain_cast(tiny_checkpoint,
     """A LoRA run holding its base in bfloat16 merges an adapter in float32 (Run.merge): the weights are
     the cast of base + update in float32, which adding the update to bfloat16 weights would round away."""
     run = checkpoint.Run(str(tmp_path / "run"), dict(resume=False, overwrite=False), 0, 1, ())
-    policy = fsdp.wrap(run.load_policy(tiny_checkpoint, "cpu", lora_chain=True), torch.bfloat16)
+    policy = fsdp.wrap(run.load_policy(tiny_checkpoint, "cpu", torch.bfloat16, lora_chain=True), torch.bfloat16)
     exact = load(tiny_checkpoint)[0]
     torch.manual_seed(0)
     adapter = lora.attach(policy, 4, 8)
@@ -242,7 +242,7 @@ def test_lora_rounds_keep_no_tensor_alive(agent, tokenizer, search_index, tmp_pa
     the same tensors alive after the third round as after the first: nothing piles up across rounds."""
     save(agent, tokenizer, str(tmp_path / "base"))
     run = checkpoint.Run(str(tmp_path / "run"), dict(resume=False, overwrite=False), 0, 1, ())
-    policy = fsdp.wrap(run.load_policy(str(tmp_path / "base"), "cpu", lora_chain=True), torch.float32)
+    policy = fsdp.wrap(run.load_policy(str(tmp_path / "base"), "cpu", torch.float32, lora_chain=True), torch.float32)
     cfg = settings(GRPOConfig, grpo_steps=1, questions_per_step=2, ppo_mini_batch=2, group_size=3, micro_batch=4,
                    max_turns=1, max_turn_tokens=24, max_obs_tokens=64, temperature=1.0)
     question = dict(question=AGENT_QUESTION, golden_answers=["Seine"])

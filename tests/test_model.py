@@ -89,6 +89,22 @@ def test_kv_cache_matches_full_forward(tiny_checkpoint):
     assert (torch.cat(steps, 1) - full).abs().max() <= 1e-5
 
 
+def test_a_cache_reads_no_slot_before_clearing_it(tiny_checkpoint):
+    """A fresh cache is allocated empty (here: NaN everywhere) and zeroed as forwards reach its slots:
+    ragged rows, whose padding slots are read masked, still equal each row run alone."""
+    model, _ = load(tiny_checkpoint)
+    rows, more = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]], [[20, 21], [], [22, 23, 24, 25]]
+    cache = new_cache(model, 3, 64)
+    cache.k.fill_(float("nan"))
+    cache.v.fill_(float("nan"))
+    logits = extend(model, cache, more, extend(model, cache, rows))  # (3, V)
+    for i in range(3):
+        with torch.no_grad():
+            alone = model(torch.tensor([rows[i] + more[i]]))[0, -1]
+        assert (logits[i] - alone).abs().max() <= 1e-5
+    assert cache.cleared[0] == 8 and cache.k[:, :, :, 8:].isnan().all()  # (L, B, H, S, D): the rest untouched
+
+
 def test_ragged_extend_matches_single_rows(tiny_checkpoint):
     """Right-padded ragged chunks appended to a cache equal each row run alone."""
     model, _ = load(tiny_checkpoint)
