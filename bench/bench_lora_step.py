@@ -40,7 +40,8 @@ def child(args):
     from worlds.toyworld import read_jsonl
     width = Qwen2Config.from_json(os.path.join(args.checkpoint, "config.json")).hidden_size
     _, _, dev, dt = fsdp.setup("cpu", args.dtype, width, masters=not args.rank)
-    policy, tok = load(args.checkpoint, dev, torch.float32)
+    held = fsdp.held_dtype(dt) if hasattr(fsdp, "held_dtype") else torch.float32  # as evolve.py loads it (#70 on)
+    policy, tok = load(args.checkpoint, dev, held)
     policy = fsdp.wrap(policy, dt)  # as evolve.py holds it: FSDP2 with float32 masters, or LoRA's base in dt
     kl_model = None if args.rank else fsdp.wrap(load(args.checkpoint, dev, torch.float32)[0].eval(), dt)
     if args.rank:
