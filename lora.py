@@ -100,12 +100,17 @@ def disabled(model):
             m.enabled = e
 
 
+def _delta(a, b, scaling):
+    """An adapter's update scaling * B @ A, (out, in), in float32 at least."""
+    dt = torch.promote_types(b.dtype, torch.float32)
+    return (b.to(dt) @ a.to(dt)) * scaling
+
+
 @torch.no_grad()
 def merge(model):
     """W <- W + scaling * B @ A for every adapter, then replace each wrapper by its base Linear."""
     for name, m in _wrapped(model):
-        dt = torch.promote_types(m.lora_B.weight.dtype, torch.float32)  # float32 at least
-        delta = (m.lora_B.weight.to(dt) @ m.lora_A.weight.to(dt)) * m.scaling  # (out, in)
+        delta = _delta(m.lora_A.weight, m.lora_B.weight, m.scaling)  # (out, in)
         w = m.base.weight
         if isinstance(w, DTensor):  # a sharded weight (FSDP2): add this rank's rows of delta
             delta = distribute_tensor(delta, w.device_mesh, w.placements, src_data_rank=None)
@@ -155,14 +160,8 @@ def save_adapter(model, path):
 
 def load_adapter(model, path):
     """Attach the adapter saved at `path` (ours or PEFT's) to `model`; every tensor must fit."""
-    cfg_file = os.path.join(path, "adapter_config.json")
-    with open(cfg_file) as f:
-        cfg = json.load(f)
-    if cfg.get("peft_type") != "LORA" or cfg.get("use_dora") or cfg.get("use_rslora"):
-        raise ValueError(f"{cfg_file}: only plain LoRA adapters are supported")
-    targets = cfg["target_modules"]
-    attach(model, cfg["r"], cfg["lora_alpha"], cfg.get("lora_dropout", 0.0),
-           tuple(targets) if isinstance(targets, list) else (targets,))
+    cfg = _adapter_config(path)
+    attach(model, cfg["r"], cfg["lora_alpha"], cfg.get("lora_dropout", 0.0), cfg["target_modules"])
     params = {f"base_model.model.{n}.{ab}.weight": getattr(m, ab).weight
               for n, m in _wrapped(model) for ab in ("lora_A", "lora_B")}
     file = os.path.join(path, "adapter_model.safetensors")
@@ -318,18 +317,25 @@ def rebase(model, chain):
             if a is not None:
                 if (b.shape[0], a.shape[1]) != tuple(w.shape):
                     raise ValueError(f"{file}: the update of {name!r} is {(b.shape[0], a.shape[1])}, the weight {tuple(w.shape)}")
-                dt = torch.promote_types(b.dtype, torch.float32)
-                w += ((b.to(dt) @ a.to(dt)) * scaling).to(w.dtype)
+                w += _delta(a, b, scaling).to(w.dtype)
         p.copy_(w)
     fsdp.trim_host_memory()
 
 
-def _adapter_tensors(path):
-    """(file, {module name: (A, B)}, scaling, target module names) of the adapter saved at `path`."""
-    with open(os.path.join(path, "adapter_config.json")) as f:
+def _adapter_config(path):
+    """The adapter_config.json at `path`, refused unless plain LoRA; target_modules as a tuple."""
+    cfg_file = os.path.join(path, "adapter_config.json")
+    with open(cfg_file) as f:
         cfg = json.load(f)
     if cfg.get("peft_type") != "LORA" or cfg.get("use_dora") or cfg.get("use_rslora"):
-        raise ValueError(f"{path}/adapter_config.json: only plain LoRA adapters are supported")
+        raise ValueError(f"{cfg_file}: only plain LoRA adapters are supported")
+    targets = cfg["target_modules"]
+    return dict(cfg, target_modules=tuple(targets) if isinstance(targets, list) else (targets,))
+
+
+def _adapter_tensors(path):
+    """(file, {module name: (A, B)}, scaling, target module names) of the adapter saved at `path`."""
+    cfg = _adapter_config(path)
     file, ab = os.path.join(path, "adapter_model.safetensors"), {}
     with safe_open(file, framework="pt", device="cpu") as f:
         for k in f.keys():  # base_model.model.<module>.lora_A.weight
@@ -337,9 +343,7 @@ def _adapter_tensors(path):
             ab.setdefault(name, {})[part] = f.get_tensor(k)
     if any(set(t) != {"lora_A", "lora_B"} for t in ab.values()):
         raise ValueError(f"{file}: every module needs lora_A.weight and lora_B.weight")
-    targets = cfg["target_modules"]
-    return (file, {n: (t["lora_A"], t["lora_B"]) for n, t in ab.items()}, cfg["lora_alpha"] / cfg["r"],
-            set(targets) if isinstance(targets, list) else {targets})
+    return file, {n: (t["lora_A"], t["lora_B"]) for n, t in ab.items()}, cfg["lora_alpha"] / cfg["r"], cfg["target_modules"]
 
 
 if __name__ == "__main__":

@@ -19,8 +19,6 @@ different lengths share one cache with no gaps: ragged prompts, forced tokens (r
 appended without recomputing anything, and rows in different turns decoding side by side.
 Attention masks are always "in this row's slots and not in the future".
 
-The tokenizer and chat template are tokenizer.py's; the cache and decoding are generate.py's.
-
 Left out on purpose: sliding-window attention and rope scaling (Qwen2.5 does not use them at
 <= 32k tokens; such configs are rejected), flash/paged attention, tensor parallelism.
 
@@ -290,7 +288,8 @@ def _weight_files(path):
             files.setdefault(os.path.join(path, shard), []).append(name)
         return files
     if os.path.isfile(single):
-        return {single: None}
+        with _read_safetensors(single) as f:
+            return {single: list(f.keys())}
     raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
 
 
@@ -304,12 +303,8 @@ def _read_safetensors(file):
 
 def read_tensors(path, names=None):
     """(file, name, tensor) for each tensor of a checkpoint folder (or those in `names`), the file opened
-    for each tensor: safetensors maps the file, and a mapping open for a whole load keeps every page it
-    read resident (the checkpoint's size again)."""
+    per tensor: a safetensors mapping open for a whole load keeps every page it read resident."""
     for file, in_file in _weight_files(path).items():
-        if in_file is None:
-            with _read_safetensors(file) as f:
-                in_file = list(f.keys())
         for name in in_file if names is None else [n for n in in_file if n in names]:
             with _read_safetensors(file) as f:
                 try:
@@ -336,8 +331,7 @@ def load(path, device="cpu", dtype=torch.float32):
             raise ValueError(f"{file}: unexpected tensor {name!r} (not a Qwen2 parameter"
                              f"{'; lm_head is tied' if name == 'lm_head.weight' else ''})")
         if tuple(t.shape) != tuple(params[name].shape):
-            raise ValueError(f"{file}: tensor {name!r} has shape {tuple(t.shape)}, "
-                             f"expected {tuple(params[name].shape)}")
+            raise ValueError(f"{file}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(params[name].shape)}")
         with torch.no_grad():
             params[name].copy_(t)
         filled.add(name)
