@@ -27,9 +27,13 @@ from rollout import RolloutConfig, make_prompt, max_response_tokens
 
 def group(cls, config, **given):
     """A settings dataclass (rollout.RolloutConfig, grpo.GRPOConfig, ofsd.OFSDConfig) filled from
-    `config` by field name, `given` first: the settings a round takes travel as one group."""
-    return cls(**{f.name: given[f.name] if f.name in given else config[f.name]
-                  for f in dataclasses.fields(cls) if f.name in given or f.name in config})
+    `config` by field name, `given` first: the settings a round takes travel as one group. A field
+    that is itself a group (GRPOConfig.rollout), when not given, is filled the same way."""
+    def value(f):
+        return given[f.name] if f.name in given else \
+            group(f.type, config, **given) if dataclasses.is_dataclass(f.type) else config[f.name]
+    return cls(**{f.name: value(f) for f in dataclasses.fields(cls)
+                  if f.name in given or f.name in config or dataclasses.is_dataclass(f.type)})
 
 
 def settings(namespace):

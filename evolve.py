@@ -217,12 +217,6 @@ def ofsd_round(policy, tokenizer, index, questions, run, r, it, sampling, cfg, g
     return {k: v for k, v in m.items() if k != "losses"}  # counts, KL, diagnostics
 
 
-def settings(cls, **overrides):
-    """A settings group from the constants above, `overrides` first (tests, benches, experiments)."""
-    sampling = configurator.group(RolloutConfig, DEFAULTS, **overrides)
-    return sampling if cls is RolloutConfig else configurator.group(cls, DEFAULTS, **dict(dict(rollout=sampling), **overrides))
-
-
 RESUME_MAY_CHANGE = ("resume", "overwrite", "out_dir", "world_dir", "iterations", "eval_batch", "micro_batch",
                      "kl_chunk", "activation_checkpointing", "rollout_rows", "search_workers", "compile")  # paths, length, speed, memory
 

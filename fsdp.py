@@ -19,7 +19,8 @@ whole rollout batch (or evaluation), keeps them through every step, and frees th
 Checkpoints: `full_state_dict` gathers the model on rank 0 (written in Hugging Face format), the
 optimizer is saved per rank with torch.distributed.checkpoint (`save_optimizer` / `load_optimizer`).
 `state_bytes` reports what each rank holds. `trim_host_memory` hands the memory glibc keeps freed
-back to the OS (after each checkpoint, each decoding batch, each cast of the weights).
+back to the OS (after each checkpoint, each decoding batch, each cast of the weights, and on a CPU
+before each decoder layer that runs with gradients: `wrap`'s `trim_each_layer`).
 `teardown` leaves the process group, a distributed process's last call.
 
 Left out: CPU offload of parameters or optimizer state, tensor or sequence parallelism, hybrid
@@ -148,11 +149,33 @@ def held_dtype(compute_dtype):
 
 def wrap(model, compute_dtype):
     """The model as a process holds it: sharded when a process group is up (`shard`), else in the
-    compute dtype (float32 stays float32; a LoRA run's frozen base in bfloat16 is half the bytes)."""
+    compute dtype (float32 stays float32; a LoRA run's frozen base in bfloat16 is half the bytes);
+    on a CPU, glibc's heap trimmed before each layer that runs with gradients (`trim_each_layer`)."""
     if dist.is_initialized():
-        return shard(model, compute_dtype)
+        return trim_each_layer(shard(model, compute_dtype))
     model.to(compute_dtype)
     trim_host_memory()  # the float32 copies just let go
+    return trim_each_layer(model)
+
+
+def trim_each_layer(model):
+    """On a CPU, `trim_host_memory` before each decoder layer that runs with gradients: in the forward,
+    and in backward when the gradient reaches the layer's output (before its recomputation). A layer's
+    1-32 MB temporaries live in glibc's heap, which fragments: one checkpointed forward of the 0.5B
+    (4,344 tokens) grew it by 1.1 GB for 0.2 GB more in use. Decoding (no gradients) is left alone."""
+    if model.model.embed_tokens.weight.device.type != "cpu":
+        return model
+
+    def before(block, args):
+        if torch.is_grad_enabled():
+            trim_host_memory()
+
+    def after(block, args, out):
+        if out.requires_grad:
+            out.register_hook(lambda grad: trim_host_memory())
+    for block in model.model.layers:
+        block.register_forward_pre_hook(before)
+        block.register_forward_hook(after)
     return model
 
 

@@ -108,7 +108,8 @@ class KVCache:
         L, _, H, _, D = self.k.shape
         k = self.k.new_zeros(L, len(rows), H, s + room + 1, D)  # (L, b, H, s + room + 1, D)
         v = self.v.new_zeros(L, len(rows), H, s + room + 1, D)
-        k[:, :, :, :s], v[:, :, :, :s] = self.k[:, idx, :, :s], self.v[:, idx, :, :s]
+        for i in range(L):  # a layer at a time: an index makes a copy, and a whole one would hold them twice
+            k[i, :, :, :s], v[i, :, :, :s] = self.k[i, idx, :, :s], self.v[i, idx, :, :s]
         return KVCache._of(k, v, self.end[idx].clone())
 
     def put(self, rows, sub, of=None):
@@ -120,7 +121,8 @@ class KVCache:
         if s > self.max_len:
             raise ValueError(f"KV cache full: a row would hold {s} tokens > max_len {self.max_len}")
         self._clear(s)
-        self.k[:, idx, :, :s], self.v[:, idx, :, :s] = sub.k[:, src, :, :s], sub.v[:, src, :, :s]
+        for i in range(self.k.shape[0]):  # a layer at a time (as `take`)
+            self.k[i, idx, :, :s], self.v[i, idx, :, :s] = sub.k[i, src, :, :s], sub.v[i, src, :, :s]
         self.end[idx] = sub.end[src]
 
     @staticmethod
@@ -134,8 +136,9 @@ class KVCache:
         """Rows 0..len(order)-1 become the rows `order` (distinct rows of this cache), in place."""
         idx = torch.tensor(order, dtype=torch.long, device=self.end.device)
         n, s = len(order), self.length
-        self.k[:, :n, :, :s] = self.k[:, idx, :, :s]  # (L, n, H, s, D); the index makes a copy first
-        self.v[:, :n, :, :s] = self.v[:, idx, :, :s]
+        for i in range(self.k.shape[0]):  # a layer at a time: the index copies its rows first
+            self.k[i, :n, :, :s] = self.k[i, idx, :, :s]  # (n, H, s, D)
+            self.v[i, :n, :, :s] = self.v[i, idx, :, :s]
         self.end[:n] = self.end[idx]
 
 

@@ -23,8 +23,8 @@ import torch
 
 import lora
 from fsdp import all_sum, reshard
-from logprobs import pad_batch, token_logprobs
-from rollout import RolloutConfig, em_rewards, rollout
+from model import token_logprobs
+from rollout import RolloutConfig, em_rewards, pad_batch, rollout
 
 
 @dataclass(frozen=True)

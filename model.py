@@ -11,13 +11,10 @@ The architecture is Qwen2ForCausalLM (every Qwen2.5 size, 0.5B to 72B, uses it):
           rows: PyTorch's CPU GQA path repeats K and V per query head, 7x the reads at 0.5B.
     MLP:  down(silu(gate(x)) * up(x))   (SwiGLU)
 
-Padding and caching share one mechanism. A KV cache (generate.py's `KVCache`) is preallocated for
-(batch, max_len) and holds, per row, how many tokens it holds (`end`): row b's tokens sit in slots
-0 .. end[b]-1, each slot also its rotary position. A forward appends a right-padded (B, T) chunk
-to each row at that row's own end (padding goes to a scratch slot past max_len), so rows of
-different lengths share one cache with no gaps: ragged prompts, forced tokens (retrieved text)
-appended without recomputing anything, and rows in different turns decoding side by side.
-Attention masks are always "in this row's slots and not in the future".
+A forward with a KV cache appends each row's right-padded chunk at that row's own end (the cache
+holds how many tokens each row has; padding goes to a scratch slot), so ragged rows share one cache
+with no gaps; masks are always "in this row's slots and not in the future". `token_logprobs` is what
+a loss reads of a model (nanoGPT's forward with targets): log p at given tokens, the LM head chunked.
 
 Left out on purpose: sliding-window attention and rope scaling (Qwen2.5 does not use them at
 <= 32k tokens; such configs are rejected), flash/paged attention, tensor parallelism.
@@ -272,6 +269,37 @@ class Qwen2(nn.Module):
     def forward(self, input_ids, cache=None, valid=None, positions=None):
         """Logits (B, T, V)."""
         return F.linear(self.hidden(input_ids, cache, valid, positions), self.lm_head_weight)
+
+
+# ----------------------------------------------------------------------------------------------
+# log-probabilities at given tokens (as nanoGPT's forward with targets): what a loss reads of a model
+
+HEAD_CHUNK = 512  # loss positions per LM-head chunk at most (memory, not results) ...
+HEAD_LOGITS = 1 << 24  # ... and at most this many logits: 110 positions of a 151,936-token vocabulary
+
+
+def _head(h, weight, targets, temperature):
+    """One chunk of the LM head: (C, d) hidden states -> log p(target) and the entropy, each (C,)."""
+    logits = F.linear(h, weight)  # (C, V), in float32 at least (float64 stays float64)
+    log_p = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, -1)
+    return log_p.gather(-1, targets[:, None]).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
+
+
+def token_logprobs(model, ids, valid, mask, temperature, entropy=False, chunk=None):
+    """log p of each token where mask (B, T) is 1, (n,), and with entropy=True each position's entropy,
+    (n,): the final hidden states at those positions only, then the LM head a chunk at a time, each
+    recomputed in backward (autograd keeps no (n, V) tensor):
+        log p(t) = log softmax(h W^T / temperature)[t],   H = -sum_v p(v) log p(v)"""
+    chunk = chunk or max(1, min(HEAD_CHUNK, HEAD_LOGITS // model.config.vocab_size))
+    pred = mask[:, 1:]  # token t is predicted from position t - 1
+    h_sel = model.hidden(ids, valid=valid, select=F.pad(pred, (0, 1)))  # (n, d)
+    targets = ids[:, 1:][pred]  # (n,)
+    weight, parts = model.lm_head_weight, []  # (V, d), read after hidden(): FSDP2 gathers it there
+    for c in range(0, len(targets), chunk):
+        args = (h_sel[c:c + chunk], weight, targets[c:c + chunk], temperature)
+        parts.append(checkpoint(_head, *args, use_reentrant=False) if torch.is_grad_enabled() else _head(*args))
+    logp, ent = (torch.cat(x) for x in zip(*parts)) if parts else (h_sel.new_zeros(0).float(),) * 2  # (n,)
+    return (logp, ent) if entropy else logp
 
 
 # ----------------------------------------------------------------------------------------------

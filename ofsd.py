@@ -28,9 +28,8 @@ import torch
 
 import lora
 from clipped_kl import fused_linear_clipped_kl, position_stats
-from model import pad_right
-from logprobs import pad_batch, token_logprobs
-from rollout import ACTION, em_rewards, make_prompt, rollout
+from model import pad_right, token_logprobs
+from rollout import ACTION, em_rewards, make_prompt, pad_batch, rollout
 
 
 @dataclass(frozen=True)
@@ -85,10 +84,6 @@ LOSSES = ("kl", "nll", "nll_kl")  # ofsd_loss: the paper's KL, the rft control (
 # ----------------------------------------------------------------------------------------------
 # 1. pair mining
 
-def policy_tokens(t):
-    return [x for x, m in zip(t.tokens, t.loss_mask) if m]
-
-
 def token_distance(a, b):
     """1 - multiset Jaccard overlap of token bigrams (0: same bigrams, 1: none shared)."""
     ba, bb = Counter(zip(a, a[1:])), Counter(zip(b, b[1:]))
@@ -106,8 +101,8 @@ def mine_pair(group, rewards):
     pool = wrong or [i for i in correct if i != ref]
     if not pool:
         return None
-    ref_toks = policy_tokens(group[ref])
-    stu = max(pool, key=lambda i: (token_distance(ref_toks, policy_tokens(group[i])), -i))
+    sampled = [[x for x, m in zip(t.tokens, t.loss_mask) if m] for t in group]  # each one's policy tokens
+    stu = max(pool, key=lambda i: (token_distance(sampled[ref], sampled[i]), -i))
     return ref, stu, bool(wrong)
 
 

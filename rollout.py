@@ -8,10 +8,10 @@ decodes without special tokens) or hits the turn cap; the turn's first tag pair 
     neither -> the invalid-action message is appended
 and the model writes on; after `max_turns` such turns one last turn may only answer.
 A trajectory is (tokens, loss_mask, logprobs, ...): loss_mask is 1 exactly where the policy sampled
-the token (prompt, observations, injected messages: 0), for GRPO and OFSD alike. Reward: EM of the
-last <answer> against any gold answer, both normalised as SQuAD; no format reward.
+the token (prompt, observations, injected messages: 0), for GRPO and OFSD alike (`pad_batch`: as
+tensors). Reward: EM of the last <answer> against any gold answer, both normalised as SQuAD.
 
-Decoding is generate.decode's: this file hands it the prompts and `turn_end`. Left out: vLLM.
+Decoding is generate.decode's: this file hands it the prompts and `turn_end`. Left out: vLLM, format rewards.
 
     python rollout.py CHECKPOINT_DIR INDEX_DIR "Who founded the company that makes the iPhone?"
 """
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 import generate
-from model import load
+from model import load, pad_right
 from retriever import format_docs
 
 INSTRUCTION = (
@@ -62,8 +62,7 @@ class RolloutConfig:
         return replace(self, temperature=0.0, top_p=1.0)
 
 
-# Search-R1's own settings (train_grpo.sh), eval.py's defaults
-SEARCH_R1 = RolloutConfig(max_turns=2, max_turn_tokens=500, max_obs_tokens=500, top_k=3)
+SEARCH_R1 = RolloutConfig(max_turns=2, max_turn_tokens=500, max_obs_tokens=500, top_k=3)  # Search-R1's: eval.py's defaults
 
 def make_prompt(question):
     """Search-R1's user message for a question (stripped, '?' appended when missing)."""
@@ -146,6 +145,16 @@ class Trajectory:
                 out.append(text if self.loss_mask[start] else f"[env>>{text}<<env]")
                 start = i
         return "".join(out)
+
+
+def pad_batch(trajs, pad_id, device):
+    """Trajectories right-padded -> ids, valid, loss_mask and the rollout's log-probs, (B, T) each."""
+    ids, valid = pad_right([t.tokens for t in trajs], pad_id, device)
+    mask = pad_right([t.loss_mask for t in trajs], 0, device)[0].bool()
+    old = torch.zeros(ids.shape, device=device)
+    for i, t in enumerate(trajs):
+        old[i, :len(t.logprobs)] = torch.tensor(t.logprobs, device=device)
+    return ids, valid, mask, old
 
 
 @torch.no_grad()

@@ -4,7 +4,7 @@ For the checkpoint given (--checkpoint or QWEN_CHECKPOINT), each dtype in turn, 
   prefill    generate.extend of B prompts of T tokens into an empty KV cache: prompt tokens/s
   decode     generate.generate steps at each batch size after a 256-token prefill, sampling as the
              loop does (temperature 1, top-p 0.95), every row generating: new tokens/s
-  GRPO pass  logprobs.token_logprobs (log-probs and entropy at the policy's tokens) forward + backward
+  GRPO pass  model.token_logprobs (log-probs and entropy at the policy's tokens) forward + backward
              over a batch of trajectories, a sixth of each the policy's tokens: seconds. float32 is a
              plain float32 model; bfloat16 is evolve.py's mixed precision (fsdp.shard on one rank:
              float32 master weights, bfloat16 compute)

@@ -7,7 +7,7 @@ In one run, for the checkpoint given (--checkpoint or QWEN_CHECKPOINT):
               memory bandwidth (GB/s of a large tensor copy, read + write)
   the phases  bench_dtype.py's measurements (each the second of two identical calls): a prefill,
               sampled decode steps at 1, 16 and 80 rows, a GRPO pass (forward + backward of
-              logprobs.token_logprobs); each as achieved FLOP/s and as a fraction of the dtype's limit
+              model.token_logprobs); each as achieved FLOP/s and as a fraction of the dtype's limit
               (its best matmul rate); decode also as a fraction of the bandwidth limit (every step
               reads every weight once)
 FLOPs counted from the model's shape (a multiply-add is 2 FLOPs):

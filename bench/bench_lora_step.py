@@ -84,7 +84,7 @@ def profile_phases(block_class, optimizer):
     import threading
     import torch
     import grpo
-    import logprobs
+    import model
 
     class MallInfo2(ctypes.Structure):
         _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks "
@@ -101,7 +101,7 @@ def profile_phases(block_class, optimizer):
             samples.append((phase[0], resident, m.uordblks + m.hblkhd))
             time.sleep(0.005)
 
-    logprobs_fn, head, layer, step = grpo.token_logprobs, logprobs._head, block_class.layer, optimizer.step
+    logprobs_fn, head, layer, step = grpo.token_logprobs, model._head, block_class.layer, optimizer.step
 
     def token_logprobs(*a, **k):
         phase[0] = "forward" if torch.is_grad_enabled() else "KL pass"
@@ -120,7 +120,7 @@ def profile_phases(block_class, optimizer):
     def adamw(*a, **k):
         phase[0] = "AdamW"
         return step(*a, **k)
-    grpo.token_logprobs, logprobs._head, block_class.layer, optimizer.step = token_logprobs, head_chunk, decoder_layer, adamw
+    grpo.token_logprobs, model._head, block_class.layer, optimizer.step = token_logprobs, head_chunk, decoder_layer, adamw
     threading.Thread(target=sample, daemon=True).start()
 
     def report():

@@ -5,7 +5,7 @@ Three parts, printed as tables:
    the KL term's model) of the toy backbone and, given --checkpoint, a real Qwen2.5 checkpoint,
    on 1 process and on 2 gloo ranks, against the formula the table below uses.
 2. Measured activations: the bytes autograd saves for backward (saved-tensor hooks, distinct
-   storages) in `logprobs.token_logprobs` through one decoder layer at each size's real dimensions,
+   storages) in `model.token_logprobs` through one decoder layer at each size's real dimensions,
    in bfloat16, with and without activation checkpointing: per token per layer, and per loss
    token at the LM head (log-softmax over the vocabulary, entropy).
 3. The memory table: per GPU on 1 and 8 GPUs, from those formulas and measurements, for the
@@ -34,8 +34,8 @@ from rollout import RolloutConfig, Trajectory, max_response_tokens  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 from common import SIZES, n_params, state_formula  # noqa: E402  (bench/common.py)
 from grpo import GRPOConfig  # noqa: E402
-from evolve import settings  # noqa: E402
-from logprobs import token_logprobs  # noqa: E402
+from common import group  # noqa: E402
+from model import token_logprobs  # noqa: E402
 
 GB = 1e9
 # docs/real-scale.md's rollout: 64 trajectories decoded at once, a 300-token prompt, 4 searching turns
@@ -58,7 +58,7 @@ def worker(model_dir, out):
     t = Trajectory("q", 4)
     t.add([1, 2, 3, 4], sampled=False)
     t.add([5, 6, 7, 8], sampled=True, logprobs=[-1.0] * 4)
-    grpo.grpo_step(policy, reference, opt, [t, t], [1.0, -1.0], settings(GRPOConfig, micro_batch=2, clip_ratio=0.2, kl_coef=0.001, entropy_coef=0.0, temperature=1.0, max_grad_norm=1.0), 0)
+    grpo.grpo_step(policy, reference, opt, [t, t], [1.0, -1.0], group(GRPOConfig, micro_batch=2, clip_ratio=0.2, kl_coef=0.001, entropy_coef=0.0, temperature=1.0, max_grad_norm=1.0), 0)
     held = state_bytes(policy, opt, reference)
     if not dist.is_initialized() or dist.get_rank() == 0:
         with open(out, "w") as f:

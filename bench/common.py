@@ -114,7 +114,7 @@ def decode(model, tokenizer, batch, steps, prompt=256):
 
 
 def grpo_pass(model, batch, length):
-    """Seconds of one forward + backward of the policy's log-probs and entropy (logprobs.token_logprobs)."""
+    """Seconds of one forward + backward of the policy's log-probs and entropy (model.token_logprobs)."""
     ids = torch.tensor(prompts(model.config.vocab_size, batch, length, 2))
     valid = torch.ones_like(ids, dtype=torch.bool)
     mask = torch.zeros_like(valid)
@@ -131,14 +131,26 @@ def grpo_pass(model, batch, length):
 # it; one group, rollout.RolloutConfig / grpo.GRPOConfig / ofsd.OFSDConfig, from it on)
 
 def token_logprobs():
-    """logprobs.token_logprobs (rollout's, then grpo's, before it had a file)."""
+    """model.token_logprobs (rollout's, then grpo's, then logprobs.py's before)."""
     import importlib.util
     import grpo
+    import model
     import rollout
+    if hasattr(model, "token_logprobs"):
+        return model.token_logprobs
     if importlib.util.find_spec("logprobs"):
         import logprobs
         return logprobs.token_logprobs
     return getattr(rollout, "token_logprobs", None) or grpo.token_logprobs
+
+
+def group(cls, **settings):
+    """A settings group from evolve.py's constants, `settings` first (evolve.settings before it moved)."""
+    import configurator
+    import evolve
+    if hasattr(evolve, "settings"):
+        return evolve.settings(cls, **settings)
+    return configurator.group(cls, evolve.DEFAULTS, **settings)
 
 
 def rollout(model, tok, index, questions, group, generator=None, **settings):
@@ -154,8 +166,7 @@ def grpo_step(model, kl_model, optimizer, trajs, adv, pad_id, **settings):
     import grpo
     if not hasattr(grpo, "GRPOConfig"):
         return grpo.grpo_step(model, kl_model, optimizer, trajs, adv, pad_id=pad_id, **settings)
-    import evolve
-    return grpo.grpo_step(model, kl_model, optimizer, trajs, adv, evolve.settings(grpo.GRPOConfig, **settings), pad_id)
+    return grpo.grpo_step(model, kl_model, optimizer, trajs, adv, group(grpo.GRPOConfig, **settings), pad_id)
 
 
 def distill(model, tok, pairs, seed, **settings):
@@ -163,9 +174,8 @@ def distill(model, tok, pairs, seed, **settings):
     import ofsd
     if not hasattr(ofsd, "OFSDConfig"):
         return ofsd.distill(model, tok, pairs, seed=seed, **settings)
-    import evolve
     settings["ofsd_kl_weight"] = settings.pop("kl_weight")
-    return ofsd.distill(model, tok, pairs, evolve.settings(ofsd.OFSDConfig, **settings), seed)
+    return ofsd.distill(model, tok, pairs, group(ofsd.OFSDConfig, **settings), seed)
 
 
 def max_response_tokens(tok, **settings):

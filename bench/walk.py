@@ -11,6 +11,8 @@ REPO = os.path.abspath(sys.argv[1]); ALL = len(sys.argv) > 2; sys.path.insert(0,
 import torch
 torch.set_num_threads(1)
 import evolve, grpo, ofsd, lora
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__))))
+from common import group as settings  # evolve.settings before it moved
 try:
     from eval import read_questions
 except ImportError:
@@ -53,11 +55,11 @@ def walk(fn):
 gen = torch.Generator().manual_seed(0)
 rng = random.Random(0)
 qs = lambda n: [train[rng.randrange(len(train))] for _ in range(n)]
-if hasattr(evolve, "settings"):
-    gcfg = evolve.settings(grpo.GRPOConfig, grpo_steps=1, questions_per_step=2, ppo_mini_batch=2)
-    ocfg = evolve.settings(ofsd.OFSDConfig, lora_epochs=1)
+if hasattr(grpo, "GRPOConfig"):
+    gcfg = settings(grpo.GRPOConfig, grpo_steps=1, questions_per_step=2, ppo_mini_batch=2)
+    ocfg = settings(ofsd.OFSDConfig, lora_epochs=1)
     g = lambda: grpo.grpo_round(pol, None if False else evolve.lora.load_policy(os.path.join(W, "backbone"))[0], torch.optim.AdamW(pol.parameters(), lr=1e-4), tok, index, lambda: qs(2), gcfg, gen, 0, log=lambda m: None)
-    sampling = evolve.settings(RolloutConfig)
+    sampling = settings(RolloutConfig)
     def o():
         ofsd.distill(pol, tok, pairs, ocfg, seed=0)
 else:
@@ -73,8 +75,8 @@ else:
 rng2 = random.Random(1)
 import rollout as _R
 _qs = [train[rng2.randrange(len(train))] for _ in range(8)]
-if hasattr(evolve, "settings"):
-    _t = _R.rollout(pol, tok, index, [q["question"] for q in _qs], 5, evolve.settings(RolloutConfig, temperature=1.0), torch.Generator().manual_seed(0))
+if hasattr(grpo, "GRPOConfig"):
+    _t = _R.rollout(pol, tok, index, [q["question"] for q in _qs], 5, settings(RolloutConfig, temperature=1.0), torch.Generator().manual_seed(0))
 else:
     _t = _R.rollout(pol, tok, index, [q["question"] for q in _qs], 5, generator=torch.Generator().manual_seed(0), **rollout_args)
 pairs = ofsd.mine(_t, _qs, 5)

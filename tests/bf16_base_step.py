@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fsdp  # noqa: E402
 import grpo  # noqa: E402
 import lora  # noqa: E402
-from evolve import settings  # noqa: E402
+from conftest import settings  # noqa: E402
 from model import load  # noqa: E402
 from rollout import Trajectory  # noqa: E402
 

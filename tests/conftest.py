@@ -11,12 +11,19 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import configurator  # noqa: E402
+import evolve  # noqa: E402
 from model import Qwen2, Qwen2Config, save  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 WORDS = ("the search engine returns documents about cities people rivers companies founded born "
          "capital country answer question think information who which where when what year "
          "Paris London Tokyo Ada Lovelace Alan Turing river mountain lake 1815 1912 42").split()
+
+
+def settings(cls, **overrides):
+    """A settings group (rollout.RolloutConfig, grpo.GRPOConfig, ...) from evolve.py's constants, `overrides` first."""
+    return configurator.group(cls, evolve.DEFAULTS, **overrides)
 
 
 def tiny_texts(n=400, seed=0):

@@ -25,8 +25,9 @@ from model import load  # noqa: E402
 import lora  # noqa: E402
 import ofsd  # noqa: E402
 from clipped_kl import CLIPS  # noqa: E402
-from evolve import settings  # noqa: E402
-from logprobs import pad_batch, token_logprobs  # noqa: E402
+from conftest import settings  # noqa: E402
+from model import token_logprobs  # noqa: E402
+from rollout import pad_batch  # noqa: E402
 from rollout import Trajectory, make_prompt  # noqa: E402
 
 QUESTIONS = ["which river flows through Paris", "who founded Tokyo", "which lake is near London",

@@ -26,7 +26,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import fsdp
 from clipped_kl import CLIPS
+from conftest import random_model, tiny_config
 from model import load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -220,3 +222,20 @@ def test_two_rank_resume_gives_the_uninterrupted_result(two_rank_runs):
     results = [json.load(open(os.path.join(d, "checkpoint", "state.json")))["results"] for d in (full, cut)]
     assert [r["summary"] for r in results[0]] == [r["summary"] for r in results[1]]
 
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_wrap_trims_the_heap_before_each_layer_that_runs_with_gradients(monkeypatch, recompute):
+    """fsdp.wrap on a CPU: a trim before each layer's forward and its backward with gradients; none without."""
+    model = fsdp.wrap(random_model(tiny_config(num_hidden_layers=3)), torch.float32)
+    model.checkpoint_layers = recompute
+    trims = []
+    monkeypatch.setattr(fsdp, "trim_host_memory", lambda: trims.append(1))
+    ids = torch.randint(0, 400, (2, 9))
+    with torch.no_grad():
+        model.hidden(ids)  # a no-gradient forward (decoding, the KL pass): left alone
+    assert trims == []
+    h = model.hidden(ids)
+    assert len(trims) == 3  # one before each layer's forward
+    h.square().sum().backward()
+    assert len(trims) == 6  # and one before each layer's backward (and recomputation)

@@ -11,8 +11,9 @@ import rollout
 from conftest import AGENT_QUESTION
 from test_rollout import run
 from grpo import GRPOConfig
-from evolve import settings
-from logprobs import pad_batch, token_logprobs
+from conftest import settings
+from model import token_logprobs
+from rollout import pad_batch
 
 
 @pytest.mark.parametrize("pred,golds,want", [

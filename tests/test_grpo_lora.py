@@ -20,8 +20,9 @@ from model import load, save
 from test_evolve import evolve as run_evolve
 from test_rollout import run
 from grpo import GRPOConfig
-from evolve import settings
-from logprobs import pad_batch, token_logprobs
+from conftest import settings
+from model import token_logprobs
+from rollout import pad_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

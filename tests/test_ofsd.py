@@ -15,7 +15,7 @@ import teacher_gap
 from conftest import AGENT_QUESTION, random_model, tiny_config
 from test_rollout import run
 from ofsd import OFSDConfig
-from evolve import settings
+from conftest import settings
 
 
 def traj(policy, n_search=0, question="q"):

@@ -16,8 +16,8 @@ from conftest import AGENT_QUESTION, needs_wiki_packages, random_model, tiny_con
 from test_rollout import run
 from ofsd import OFSDConfig
 from grpo import GRPOConfig
-from evolve import settings
-from logprobs import token_logprobs
+from conftest import settings
+from model import token_logprobs
 from rollout import RolloutConfig
 
 QWEN25_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."

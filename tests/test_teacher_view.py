@@ -16,7 +16,7 @@ from conftest import AGENT_QUESTION
 from test_evolve import evolve
 from test_rollout import run
 from ofsd import OFSDConfig
-from evolve import settings
+from conftest import settings
 
 QUESTIONS = [AGENT_QUESTION, "which lake is near London", "who founded Tokyo"]
 
