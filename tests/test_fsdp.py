@@ -227,7 +227,9 @@ def test_two_rank_resume_gives_the_uninterrupted_result(two_rank_runs):
 @pytest.mark.parametrize("recompute", [False, True])
 def test_wrap_trims_the_heap_before_each_layer_that_runs_with_gradients(monkeypatch, recompute):
     """fsdp.wrap on a CPU: a trim before each layer's forward and its backward with gradients; none without."""
-    model = fsdp.wrap(random_model(tiny_config(num_hidden_layers=3)), torch.float32)
+    width = fsdp.BF16_MIN_HIDDEN  # as wide as a real model: a narrower one (the toy) is not trimmed
+    model = fsdp.wrap(random_model(tiny_config(num_hidden_layers=3, hidden_size=width, num_attention_heads=8)),
+                      torch.float32)
     model.checkpoint_layers = recompute
     trims = []
     monkeypatch.setattr(fsdp, "trim_host_memory", lambda: trims.append(1))
@@ -239,3 +241,12 @@ def test_wrap_trims_the_heap_before_each_layer_that_runs_with_gradients(monkeypa
     assert len(trims) == 3  # one before each layer's forward
     h.square().sum().backward()
     assert len(trims) == 6  # and one before each layer's backward (and recomputation)
+
+
+def test_wrap_leaves_a_model_narrower_than_a_real_one_untrimmed(monkeypatch):
+    """fsdp.wrap hooks no layer of a model of the toy's width: its heap is kilobytes, a trim only costs."""
+    model = fsdp.wrap(random_model(tiny_config()), torch.float32)
+    trims = []
+    monkeypatch.setattr(fsdp, "trim_host_memory", lambda: trims.append(1))
+    model.hidden(torch.randint(0, 400, (2, 9))).square().sum().backward()
+    assert trims == []
