@@ -108,9 +108,9 @@ class KVCache:
         L, _, H, _, D = self.k.shape
         k = self.k.new_zeros(L, len(rows), H, s + room + 1, D)  # (L, b, H, s + room + 1, D)
         v = self.v.new_zeros(L, len(rows), H, s + room + 1, D)
-        for i in range(L):  # a layer at a time: an index makes a copy, and a whole one would hold them twice
-            k[i, :, :, :s], v[i, :, :, :s] = self.k[i, idx, :, :s], self.v[i, idx, :, :s]
-        return KVCache._of(k, v, self.end[idx].clone())
+        sub = KVCache._of(k, v, self.end[idx].clone())
+        sub._copy_rows(slice(None), self, idx, s)
+        return sub
 
     def put(self, rows, sub, of=None):
         """Write rows of `sub` (a cache from `take(rows, ...)`, or a prefill) into the listed rows:
@@ -121,9 +121,14 @@ class KVCache:
         if s > self.max_len:
             raise ValueError(f"KV cache full: a row would hold {s} tokens > max_len {self.max_len}")
         self._clear(s)
-        for i in range(self.k.shape[0]):  # a layer at a time (as `take`)
-            self.k[i, idx, :, :s], self.v[i, idx, :, :s] = sub.k[i, src, :, :s], sub.v[i, src, :, :s]
+        self._copy_rows(idx, sub, src, s)
         self.end[idx] = sub.end[src]
+
+    def _copy_rows(self, rows, src, src_rows, s):
+        """Slots :s of `rows` <- those of src's `src_rows`, a layer at a time: an index copies what it
+        reads, so a copy of every layer at once would hold those rows' whole span twice."""
+        for i in range(self.k.shape[0]):
+            self.k[i, rows, :, :s], self.v[i, rows, :, :s] = src.k[i, src_rows, :, :s], src.v[i, src_rows, :, :s]
 
     @staticmethod
     def _of(k, v, end):
@@ -136,9 +141,7 @@ class KVCache:
         """Rows 0..len(order)-1 become the rows `order` (distinct rows of this cache), in place."""
         idx = torch.tensor(order, dtype=torch.long, device=self.end.device)
         n, s = len(order), self.length
-        for i in range(self.k.shape[0]):  # a layer at a time: the index copies its rows first
-            self.k[i, :n, :, :s] = self.k[i, idx, :, :s]  # (n, H, s, D)
-            self.v[i, :n, :, :s] = self.v[i, idx, :, :s]
+        self._copy_rows(slice(0, n), self, idx, s)  # the index reads its rows before they are written
         self.end[:n] = self.end[idx]
 
 
