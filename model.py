@@ -351,7 +351,7 @@ def load(path, device="cpu", dtype=torch.float32):
     tokenizer = Tokenizer(os.path.join(path, "tokenizer.json"))
     with torch.device("meta"):
         model = Qwen2(cfg)
-    model = model.to_empty(device=device).to(dtype)  # one allocation, filled tensor by tensor below
+    model = model.to(dtype).to_empty(device=device)  # allocated in `dtype` (the meta model casts for free), filled below
     params = dict(model.named_parameters())
     filled = set()
     for file, name, t in read_tensors(path):
