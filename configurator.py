@@ -9,8 +9,9 @@ default (an int is accepted for a float; true/false for a bool; `--key` alone me
 a path setting (`*_dir`, `*_file`) has its leading ~ expanded (the shell leaves it alone after `=`),
 an unknown key is refused with the list of keys, and `--help` prints every setting with its default
 and the comment beside it, read from the script itself. `check` refuses values out of range and
-missing paths before the script writes anything, each error naming its key. evolve.py's own checks
-(each setting's range, the ranks, the context a trajectory needs) are at the end.
+missing paths before the script writes anything, each error naming its key; a settings group (a
+dataclass of a method file) checks its own fields with `refuse_bad` when `group` makes it. This
+file knows nothing of the method.
 
     python evolve.py --help
     python eval.py --help
@@ -20,20 +21,34 @@ import dataclasses
 import math
 import os
 
-import ofsd
-from clipped_kl import CLIPS
-from rollout import RolloutConfig, make_prompt, max_response_tokens
-
 
 def group(cls, config, **given):
     """A settings dataclass (rollout.RolloutConfig, grpo.GRPOConfig, ofsd.OFSDConfig) filled from
     `config` by field name, `given` first: the settings a round takes travel as one group. A field
-    that is itself a group (GRPOConfig.rollout), when not given, is filled the same way."""
+    that is itself a group (GRPOConfig.rollout), when not given, is filled the same way. A group
+    checks its own values when made (`refuse_bad`); a bad one stops the script before anything is written."""
     def value(f):
         return given[f.name] if f.name in given else \
             group(f.type, config, **given) if dataclasses.is_dataclass(f.type) else config[f.name]
-    return cls(**{f.name: value(f) for f in dataclasses.fields(cls)
-                  if f.name in given or f.name in config or dataclasses.is_dataclass(f.type)})
+    try:
+        return cls(**{f.name: value(f) for f in dataclasses.fields(cls)
+                      if f.name in given or f.name in config or dataclasses.is_dataclass(f.type)})
+    except BadSettings as e:
+        refuse(e.args[0])
+
+
+class BadSettings(ValueError):
+    """A settings group's values out of range: args[0] lists one line per bad key."""
+
+
+def refuse_bad(group, positive=(), not_negative=(), choices=None, also=()):
+    """A settings group's own check, called when it is made (its __post_init__): its `positive` fields
+    > 0, `not_negative` ones >= 0, each of `choices` one of its values, floats finite, and each
+    (is_bad, line) of `also`; raises BadSettings naming every bad key."""
+    cfg = {f.name: getattr(group, f.name) for f in dataclasses.fields(group)}
+    bad = check(cfg, positive, not_negative, choices) + [line for is_bad, line in also if is_bad]
+    if bad:
+        raise BadSettings(bad)
 
 
 def settings(namespace):
@@ -42,14 +57,17 @@ def settings(namespace):
             isinstance(v, (bool, int, float, str))}
 
 
-def parse(argv, defaults, source, doc):
-    """The overrides argv gives, typed by `defaults`; --help prints the settings of `source` and exits."""
+def parse(argv, defaults, source, doc, renamed=None):
+    """The overrides argv gives, typed by `defaults`; --help prints the settings of `source` and exits.
+    renamed: {old key: new key}, each old key refused with its new name."""
     if "--help" in argv or "-h" in argv:
         print(settings_help(defaults, source, doc))
         raise SystemExit(0)
     out = {}
     for arg in argv:
         key, eq, val = arg.removeprefix("--").partition("=")
+        if key in (renamed or {}):
+            raise SystemExit(f"--{key} is now --{renamed[key]} (the same setting, renamed)")
         if not arg.startswith("--") or key not in defaults:
             raise SystemExit(f"unknown argument {arg!r}; keys: {', '.join(defaults)} (--help says what each does)")
         old = defaults[key]
@@ -104,87 +122,3 @@ def refuse(bad):
     """Stop before anything is written when there are errors."""
     if bad:
         raise SystemExit("bad settings, nothing was written:\n  " + "\n  ".join(bad))
-
-
-# ---------------------------------------------------------------------------------------------
-# evolve.py's checks: each setting in its range, the ranks, the context, before anything is written
-
-POSITIVE = ("grpo_lora_alpha", "grpo_lora_lr", "grpo_steps", "questions_per_step", "ppo_mini_batch", "micro_batch",
-            "warmup_steps", "max_turn_tokens", "max_obs_tokens", "top_k", "ofsd_questions", "lora_rank", "lora_epochs",
-            "ofsd_micro_batch", "eval_batch", "kl_chunk", "lr", "lora_lr", "lora_alpha", "clip_ratio", "max_grad_norm",
-            "temperature", "tau_clip", "search_workers")
-NOT_NEGATIVE = ("ofsd_kl_weight", "grpo_lora_rank", "iterations", "max_turns", "test_limit", "kl_coef", "entropy_coef",
-                "seed", "world_seed", "rollout_rows")
-CHOICES = dict(ofsd_loss=ofsd.LOSSES, kl_policy=("round", "initial"), ofsd_students=("any", "incorrect"),
-               ofsd_clip=CLIPS,
-               ofsd_context=ofsd.CONTEXTS, ofsd_positions=ofsd.POSITIONS, dtype=("auto", "float32", "bfloat16"))
-
-def check_evolve(cfg):
-    """Refuse a setting out of its range before anything is written; the error names the key."""
-    bad = check(cfg, POSITIVE, NOT_NEGATIVE, CHOICES, dirs=("model_dir", "index_dir"),
-                             files=("train_file", "test_file"))
-    if cfg["group_size"] < 2:
-        bad.append(f"--group_size={cfg['group_size']}: must be >= 2 (a group of one has no advantage "
-                   "and gives no OFSD pair)")
-    if cfg["ppo_mini_batch"] > cfg["questions_per_step"]:
-        bad.append(f"--ppo_mini_batch={cfg['ppo_mini_batch']}: must be at most --questions_per_step="
-                   f"{cfg['questions_per_step']}")
-    if cfg["grpo_lora_rank"] and cfg["kl_policy"] == "initial" and cfg["iterations"] > 1:
-        bad.append(f"--kl_policy=initial with --grpo_lora_rank={cfg['grpo_lora_rank']}: a LoRA round's KL model is "
-                   "the policy with its adapter off, the round's own start; after the first round's merge the "
-                   "initial model is gone (use --kl_policy=round, or --iterations=1)")
-    if not 0 < cfg["top_p"] <= 1:
-        bad.append(f"--top_p={cfg['top_p']}: must be in (0, 1]")
-    if not (cfg["device"] in ("auto", "cpu", "cuda") or cfg["device"].startswith("cuda:")):
-        bad.append(f"--device={cfg['device']!r}: must be auto, cpu, cuda or cuda:N")
-    refuse(bad)
-
-
-def check_compile(compile, device, world_size=1):
-    """--compile=true is for one process on CUDA: on a CPU the compiled step measured no faster and a
-    run's changing cache shapes make it compile again and again (docs/benchmarks.md)."""
-    if compile and (str(device).split(":")[0] != "cuda" or world_size > 1):
-        raise SystemExit(f"--compile=true is for one process on a CUDA device (CUDA graphs); this run is on "
-                         f"{device} with {world_size} rank(s): on a CPU the compiled decoding step is no faster "
-                         "(docs/benchmarks.md), and a sharded model's gathered weights are not what it traced")
-
-
-def check_ranks(cfg, world_size, ppo_updates):
-    """Every rank needs questions, and the same number of training passes."""
-    q, n = cfg["questions_per_step"], cfg["ofsd_questions"]
-    if q % world_size or q // world_size < ppo_updates or n < world_size:
-        raise SystemExit(f"--questions_per_step={q} must be a multiple of the number of ranks ({world_size}) "
-                         f"with at least one question per rank for each of its {ppo_updates} updates, and "
-                         f"--ofsd_questions={n} at least the number of ranks: every rank needs questions, "
-                         "and the same number of training passes")
-
-
-def max_context_tokens(tokenizer, context, response, group_size):
-    """At most how many tokens ofsd.privileged adds for a response of at most `response` tokens:
-    the framing and tau_ref's response ("full", "no_answer"; a query list is shorter than the
-    response it came from, whose observations it leaves out), or every sibling's ("group_queries",
-    a few tokens more a line for its mark)."""
-    framing = {"full": ofsd.FULL, "no_answer": ofsd.NO_ANSWER, "queries": ofsd.QUERIES,
-               "group_queries": ofsd.GROUP_QUERIES}[context]
-    mark = len(tokenizer.encode("\n- incorrect: " + ofsd.NO_SEARCH))
-    return len(tokenizer.encode(framing)) + (group_size * (response + mark) if context == "group_queries" else response)
-
-
-def check_context(cfg, model_config, tokenizer, longest_question):
-    """A trajectory must fit the model's context: the longest question's prompt, then its response
-    (rollout.max_response_tokens: the KV cache holds all of it); OFSD's teacher view holds the
-    privileged text (max_context_tokens) and the response. Refused before any weights or caches
-    are allocated."""
-    prompt = len(tokenizer.encode(tokenizer.chat_prompt(make_prompt(longest_question))))
-    response = max_response_tokens(tokenizer, group(RolloutConfig, cfg))
-    view = f"teacher view ({cfg['ofsd_context']})" if cfg["ofsd_rounds"] else "trajectory"
-    extra = max_context_tokens(tokenizer, cfg["ofsd_context"], response, cfg["group_size"]) \
-        if cfg["ofsd_rounds"] else 0
-    longest = prompt + extra + response
-    if longest > model_config.max_position_embeddings:
-        raise SystemExit(
-            f"bad settings, nothing was written:\n  a {view} may reach {longest:,} tokens (a prompt of {prompt}"
-            f"{f', a privileged context of up to {extra:,}' if extra else ''} and a response of up to {response:,}: "
-            f"--max_turns={cfg['max_turns']} searching turns and the answer-only turn of --max_turn_tokens="
-            f"{cfg['max_turn_tokens']} + 1, and --max_turns observations of --max_obs_tokens={cfg['max_obs_tokens']}),"
-            f" over the model's context of {model_config.max_position_embeddings:,} (max_position_embeddings)")

@@ -20,16 +20,15 @@ import sys
 import torch
 
 import configurator
-from checkpoint import write_atomic
-from fsdp import device_and_dtype
-import lora
+from checkpoint import base_dir, load_policy, write_atomic
+from fsdp import check_compile, device_and_dtype, trim_host_memory
 from model import Qwen2Config
 from retriever import load_index
 from rollout import SEARCH_R1, RolloutConfig, exact_match, rollout
 
 # ---------------------------------------------------------------------------------------------
 # settings of `python eval.py`, overridable as --key=value (configurator.py; --help lists them)
-model_dir = ""                 # a checkpoint folder, or a policy folder (a base and its adapters, lora.py)
+model_dir = ""                 # a checkpoint folder, or a policy folder (a base and its adapters, checkpoint.py)
 index_dir = ""                 # the BM25 index (index_build.py)
 data = ""                      # comma-separated FlashRAG .jsonl question files
 limit = 0                      # the first N questions of each file; 0 = all
@@ -60,6 +59,7 @@ def evaluate(model, tokenizer, index, questions, cfg, batch):
                             answer=t.answer, em=exact_match(t.answer, q["golden_answers"]),
                             searches=t.n_search, formatted=t.answer is not None,
                             trajectory=t.render(tokenizer)))
+        trim_host_memory()  # the batch's KV cache back to the OS
     return out
 
 
@@ -246,11 +246,11 @@ def main():
     bad += [f"--data={f}: no such file, or empty" for f in files if not (os.path.isfile(f) and os.path.getsize(f) > 0)]
     configurator.refuse(bad)
     data = {path: read_questions(path, cfg["limit"]) for path in files}  # every file, first
-    width = Qwen2Config.from_json(os.path.join(lora.base_dir(cfg["model_dir"]), "config.json")).hidden_size
+    width = Qwen2Config.from_json(os.path.join(base_dir(cfg["model_dir"]), "config.json")).hidden_size
     device, dtype = device_and_dtype(cfg["device"], cfg["dtype"], width)
-    configurator.check_compile(cfg["compile"], device)
+    check_compile(cfg["compile"], device)
     print(f"{cfg['model_dir']}: {device}, {str(dtype).removeprefix('torch.')}", file=sys.stderr)
-    model, tok = lora.load_policy(cfg["model_dir"], device, dtype)  # a checkpoint, or a base and its adapters
+    model, tok = load_policy(cfg["model_dir"], device, dtype)  # a checkpoint, or a base and its adapters
     index = load_index(cfg["index_dir"])
     table, everything = [], []
     for path, qs in data.items():

@@ -34,7 +34,7 @@ import grpo
 import lora
 from model import Qwen2Config
 import ofsd
-from rollout import RolloutConfig
+from rollout import RolloutConfig, make_prompt, max_response_tokens
 import teacher_gap
 import worlds
 from worlds import toyagent
@@ -54,11 +54,11 @@ questions_per_step = 16        # questions rolled out per GRPO step, over all ra
 ppo_mini_batch = 8             # questions per update: questions_per_step // ppo_mini_batch updates a step  (51)
 group_size = 5                 # G rollouts per question                       (5)
 micro_batch = 20               # trajectories per forward/backward             (memory-bound)
-lr = 2e-4                      # GRPO AdamW learning rate                      (1e-6)
+lr = 2e-4                      # GRPO AdamW learning rate (full fine-tuning)   (1e-6)
 grpo_lora_rank = 0             # 0: GRPO trains every weight; r > 0: a fresh rank-r LoRA adapter a round, merged
 grpo_lora_alpha = 32           # that adapter's alpha
 grpo_lora_lr = 2e-3            # that adapter's AdamW learning rate (LoRA wants ~10x full fine-tuning's)
-warmup_steps = 3               # linear warm-up of the GRPO learning rate (0.285 of the run's steps)
+warmup_steps = 3               # linear warm-up of the GRPO learning rate; 0 = none (0.285 of the run's steps)
 kl_coef = 0.001                # KL-term coefficient beta (k3 estimator)      (0.001)
 entropy_coef = 0.001           # entropy bonus: loss -= entropy_coef * token-mean entropy   (0.001)
 kl_policy = "round"            # the KL term's model: "round" the round's start, "initial" the start model (the anchor's)
@@ -78,11 +78,11 @@ ofsd_questions = 64            # questions rolled out to mine pairs per OFSD rou
 ofsd_students = "any"          # "any": the paper's rule (else a correct sibling); "incorrect": only incorrect students
 ofsd_loss = "kl"               # "kl": the teacher view's clipped forward KL (the paper's); "nll": tau_ref's NLL (rft); "nll_kl"
 ofsd_kl_weight = 1.0           # the KL's weight beside the NLL in "nll_kl"
-lora_rank = 16                 # OFSD's LoRA rank
-lora_alpha = 32                # OFSD's LoRA alpha
-lora_lr = 2e-4                 # OFSD's LoRA AdamW learning rate
-lora_epochs = 2                # passes over the round's pairs
-ofsd_micro_batch = 4           # pairs per OFSD optimizer step
+ofsd_lora_rank = 16            # OFSD's LoRA rank
+ofsd_lora_alpha = 32           # OFSD's LoRA alpha
+ofsd_lora_lr = 2e-4            # OFSD's LoRA AdamW learning rate
+ofsd_epochs = 2                # passes over the round's pairs
+ofsd_pairs_per_step = 4        # pairs per OFSD optimizer step (and per teacher or measuring pass)
 tau_clip = 0.05                # the OFSD loss's clip threshold
 ofsd_clip = "vocab"            # what tau_clip caps: "vocab" each term (the paper's), "position" each position, "none"
 ofsd_context = "full"          # the teacher's view of tau_ref: "full" (the paper's), "no_answer", "queries", "group_queries"
@@ -99,46 +99,39 @@ overwrite = False              # a fresh run may replace an earlier run's files 
 # ---------------------------------------------------------------------------------------------
 DEFAULTS = configurator.settings(globals())  # as written above: main() rewrites the globals, not this
 config_keys = list(DEFAULTS)
+RENAMED = dict(lora_rank="ofsd_lora_rank", lora_alpha="ofsd_lora_alpha", lora_lr="ofsd_lora_lr",
+               lora_epochs="ofsd_epochs", ofsd_micro_batch="ofsd_pairs_per_step")  # old --key: refused with its new name
+RESUME_MAY_CHANGE = ("resume", "overwrite", "out_dir", "world_dir", "iterations", "eval_batch", "micro_batch",
+                     "kl_chunk", "activation_checkpointing", "rollout_rows", "search_workers", "compile")  # paths, length, speed, memory
 
 
 def main():
-    globals().update(configurator.parse(sys.argv[1:], DEFAULTS, __file__, __doc__))  # --key=value, typed by the defaults
+    # config: the constants above, --key=value over them; each settings group checks its own
+    globals().update(configurator.parse(sys.argv[1:], DEFAULTS, __file__, __doc__, RENAMED))
     config = {k: globals()[k] for k in config_keys}
-    configurator.check_evolve(config)  # every setting, before anything is written
-    width = Qwen2Config.from_json(os.path.join(lora.base_dir(model_dir), "config.json")).hidden_size if model_dir else \
-        toyagent.BACKBONE["hidden_size"]  # decides "auto"'s dtype on CPU (fsdp.device_and_dtype)
-    rank, world_size, dev, dt = fsdp.setup(device, dtype, width, masters=not grpo_lora_rank)
-    run = checkpoint.Run(out_dir, config, rank, world_size, RESUME_MAY_CHANGE)  # refuses a bad out_dir or resume
-    configurator.check_ranks(config, world_size, questions_per_step // ppo_mini_batch)
-    configurator.check_compile(compile, dev, world_size)
-    checkpoint.barrier()  # every rank has checked before any rank writes
+    sampling, grpo_cfg, ofsd_cfg = settings_groups(config)
 
-    # -----------------------------------------------------------------------------------------
-    # setup: data, the policy, its optimizer, random state (or all of it from a checkpoint)
+    # setup: ranks and device, the run's folder, data, the policy (or all of it from a checkpoint)
+    rank, world_size, dev, dt = fsdp.setup(device, dtype, hidden_size(model_dir), masters=not grpo_lora_rank)
+    run = checkpoint.Run(out_dir, config, rank, world_size, RESUME_MAY_CHANGE)  # refuses a bad out_dir or resume
+    check_ranks(grpo_cfg, ofsd_questions, world_size)
+    fsdp.check_compile(compile, dev, world_size)
+    checkpoint.barrier()  # every rank has checked before any rank writes
     start_model, index, train, test, tokenizer = worlds.load(model_dir, index_dir, train_file, test_file, test_limit,
                                                              world_dir, world_seed, top_k, rank)
-    configurator.check_context(config, Qwen2Config.from_json(os.path.join(lora.base_dir(start_model), "config.json")),
-                               tokenizer, max((q["question"] for q in train + test), key=len))
-    rng = random.Random(seed)  # question order, identical on every rank
-    # rollout sampling: one stream a rank (seeds apart up to 1,000 ranks)
-    gen = torch.Generator(device=dev).manual_seed(seed * 1000 + rank)
+    check_context(model_config(start_model).max_position_embeddings, tokenizer, train + test, sampling, group_size,
+                  ofsd_context if ofsd_rounds else None)
+    rng, gen = random.Random(seed), torch.Generator(device=dev).manual_seed(seed * 1000 + rank)  # questions; sampling
     torch.manual_seed(seed)  # LoRA initialisation (checkpointed: exact resume)
-    # as this process holds it: FSDP2 over float32 masters in a process group, else in dt (fsdp.wrap)
     policy = fsdp.wrap(run.load_policy(start_model, dev, fsdp.held_dtype(dt), lora_chain=grpo_lora_rank > 0), dt)
     policy.checkpoint_layers = activation_checkpointing
     # full fine-tuning's AdamW, kept across rounds (a LoRA run makes one a round)
     optimizer = None if grpo_lora_rank else torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
     run.restore(policy, optimizer, rng, gen)
-    kl = KLModel(start_model, dev, dt)  # the KL term's model
-    # the settings each round takes, as one group each
-    sampling = configurator.group(RolloutConfig, config)
-    grpo_cfg = configurator.group(grpo.GRPOConfig, config, rollout=sampling, lr=grpo_lora_lr if grpo_lora_rank else lr)
-    ofsd_cfg = configurator.group(ofsd.OFSDConfig, config)
 
     def sample_questions(n):  # n training questions (the same on every rank), then this rank's share
         return [train[rng.randrange(len(train))] for _ in range(n)][rank::world_size]
 
-    # -----------------------------------------------------------------------------------------
     # the rounds: start, then (GRPO, OFSD) per iteration; each is evaluated and checkpointed
     rounds = ("grpo", "ofsd") if ofsd_rounds else ("grpo",)
     schedule = [("start", 0)] + [(kind, it) for it in range(iterations) for kind in rounds]
@@ -146,22 +139,20 @@ def main():
         kind, it = schedule[r]
         t0, row = time.time(), dict(round=r, after=kind, iteration=it)
         if kind == "grpo":
-            adapter, round_optimizer = kl.begin_grpo_round(policy, optimizer)
-            grpo.grpo_round(policy, kl.model, round_optimizer, tokenizer, index,
-                            lambda: sample_questions(questions_per_step), grpo_cfg, gen, run.state["step"],
-                            log=lambda m: run.record(dict(kind="grpo_step", iteration=it, **m,  # what each rank holds:
-                                                          state_bytes=fsdp.state_bytes(policy, round_optimizer, kl.model)),
-                                                     grpo_line(m, it)))
+            kl_model = kl_term_model(policy, start_model, dev, dt, grpo_cfg)  # None through LoRA: the adapter off
+            adapter, round_optimizer = grpo_adapter(policy, optimizer, grpo_cfg)  # LoRA: a fresh adapter, its AdamW
+            steps = [sample_questions(questions_per_step) for _ in range(grpo_steps)]
+            for m in grpo_round(policy, kl_model, round_optimizer, tokenizer, index, steps, grpo_cfg, gen,
+                                run.state["step"]):
+                run.record(dict(kind="grpo_step", iteration=it, **m), grpo_line(m, it))
             run.state["step"] += grpo_steps
             if adapter is not None:  # saved in the run's chain, merged
                 run.merge(policy, adapter, f"{r:02d}-grpo")
+            del kl_model  # a second copy of the weights: not kept through the evaluation or an OFSD round
         elif kind == "ofsd":
-            kl.model = None  # the round needs neither, nor AdamW's moments
-            with fsdp.parked(optimizer, os.path.join(run.ckpt_dir, f"parked-optimizer{rank}.pt")):
-                row.update(ofsd_round(policy, tokenizer, index, sample_questions(ofsd_questions), run, r, it,
-                                      sampling, ofsd_cfg, gen))
-        with fsdp.gathered(policy):  # each rank its share, weights gathered once
-            results = evaluate(policy, tokenizer, index, test[rank::world_size], sampling, eval_batch)
+            row.update(ofsd_round(policy, tokenizer, index, sample_questions(ofsd_questions), ofsd_cfg, gen, run, r,
+                                  it, seed * 7919 + r))  # the pairs' order, per seed and round
+        results = evaluate(policy, tokenizer, index, test[rank::world_size], sampling, eval_batch)  # this rank's share
         row.update(summary=summarize(fsdp.all_ranks(results), "type"), grpo_steps=run.state["step"],
                    seconds=time.time() - t0)
         run.state["results"].append(row)
@@ -178,47 +169,125 @@ def main():
 
 
 # ---------------------------------------------------------------------------------------------
-# the steps main() names: the KL term's model, an OFSD round
+# the steps main() names: settings, the KL term's model, a GRPO round's adapter, the rounds
 
-class KLModel:
-    """The GRPO KL term's model: full fine-tuning's second copy (kl_policy's weights, loaded when a round
-    needs it, let go for an OFSD round), or None through LoRA (the policy with its adapter off)."""
+def settings_groups(config):
+    """(RolloutConfig, GRPOConfig, OFSDConfig) from the settings, each checked by its class, after the
+    loop's own settings: refused, naming the key, before anything is written."""
+    bad = configurator.check(config, positive=("eval_batch",), not_negative=("iterations", "test_limit", "seed",
+                                                                             "world_seed"),
+                             choices=dict(dtype=("auto", "float32", "bfloat16")),
+                             dirs=("model_dir", "index_dir"), files=("train_file", "test_file"))
+    if config["grpo_lora_rank"] and config["kl_policy"] == "initial" and config["iterations"] > 1:
+        bad.append(f"--kl_policy=initial with --grpo_lora_rank={config['grpo_lora_rank']}: a LoRA round's KL model "
+                   "is the policy with its adapter off, the round's own start; after the first round's merge the "
+                   "initial model is gone (use --kl_policy=round, or --iterations=1)")
+    if not (config["device"] in ("auto", "cpu", "cuda") or config["device"].startswith("cuda:")):
+        bad.append(f"--device={config['device']!r}: must be auto, cpu, cuda or cuda:N")
+    configurator.refuse(bad)
+    sampling = configurator.group(RolloutConfig, config)
+    return sampling, configurator.group(grpo.GRPOConfig, config, rollout=sampling), \
+        configurator.group(ofsd.OFSDConfig, config, rollout=sampling)
 
-    def __init__(self, start_model, device, compute_dtype):
-        self.start_model, self.device, self.compute_dtype, self.model = start_model, device, compute_dtype, None
 
-    def begin_grpo_round(self, policy, optimizer):
-        """(the round's LoRA adapter or None, the round's optimizer), the KL model ready."""
-        if grpo_lora_rank:  # a fresh adapter, the same on every rank
-            adapter = lora.attach(policy, grpo_lora_rank, grpo_lora_alpha)
-            fsdp.sum_grads(adapter)
-            return adapter, torch.optim.AdamW(adapter, lr=grpo_lora_lr, weight_decay=0.0)
-        if self.model is None:  # the first round, or one after an OFSD round
-            dt = self.compute_dtype
-            self.model = fsdp.wrap(lora.load_policy(self.start_model, self.device, fsdp.held_dtype(dt))[0], dt)
-        if kl_policy == "round":
-            fsdp.copy_weights(self.model, policy)
+def hidden_size(model_dir):
+    """The policy's width, read before it is loaded: it decides "auto"'s dtype on a CPU (fsdp.device_and_dtype)."""
+    return model_config(model_dir).hidden_size if model_dir else toyagent.BACKBONE["hidden_size"]
+
+
+def model_config(path):
+    """The Qwen2Config of a checkpoint or policy folder (its base's)."""
+    return Qwen2Config.from_json(os.path.join(checkpoint.base_dir(path), "config.json"))
+
+
+def check_ranks(cfg, ofsd_questions, world_size):
+    """Every rank needs questions, and the same number of training passes."""
+    q = cfg.questions_per_step
+    if q % world_size or q // world_size < cfg.ppo_updates or ofsd_questions < world_size:
+        raise SystemExit(f"--questions_per_step={q} must be a multiple of the number of ranks ({world_size}) "
+                         f"with at least one question per rank for each of its {cfg.ppo_updates} updates, and "
+                         f"--ofsd_questions={ofsd_questions} at least the number of ranks: every rank needs "
+                         "questions, and the same number of training passes")
+
+
+def check_context(limit, tokenizer, questions, sampling, group_size, ofsd_context):
+    """A trajectory must fit the model's context of `limit` tokens: the longest question's prompt, then
+    its response (rollout.max_response_tokens: the KV cache holds all of it); OFSD's teacher view
+    (ofsd_context, None without OFSD rounds) also holds the privileged text (ofsd.max_context_tokens).
+    Refused before any weights or caches are allocated."""
+    longest_question = max((q["question"] for q in questions), key=len)
+    prompt = len(tokenizer.encode(tokenizer.chat_prompt(make_prompt(longest_question))))
+    response = max_response_tokens(tokenizer, sampling)
+    extra = ofsd.max_context_tokens(tokenizer, ofsd_context, response, group_size) if ofsd_context else 0
+    if prompt + extra + response > limit:
+        view = f"teacher view ({ofsd_context})" if ofsd_context else "trajectory"
+        raise SystemExit(
+            f"bad settings, nothing was written:\n  a {view} may reach {prompt + extra + response:,} tokens (a prompt "
+            f"of {prompt}{f', a privileged context of up to {extra:,}' if extra else ''} and a response of up to "
+            f"{response:,}: --max_turns={sampling.max_turns} searching turns and the answer-only turn of "
+            f"--max_turn_tokens={sampling.max_turn_tokens} + 1, and --max_turns observations of --max_obs_tokens="
+            f"{sampling.max_obs_tokens}), over the model's context of {limit:,} (max_position_embeddings)")
+
+
+def kl_term_model(policy, start_model, device, compute_dtype, cfg):
+    """The GRPO KL term's model for a round: through LoRA None (the policy with its adapter off); in
+    full fine-tuning a second copy, the start model's weights (kl_policy "initial") or the policy's
+    as the round starts ("round")."""
+    if cfg.grpo_lora_rank:
+        return None
+    model = fsdp.wrap(checkpoint.load_policy(start_model, device, fsdp.held_dtype(compute_dtype))[0], compute_dtype)
+    if cfg.kl_policy == "round":
+        fsdp.copy_weights(model, policy)
+    return model
+
+
+def grpo_adapter(policy, optimizer, cfg):
+    """(the round's LoRA adapter, its AdamW) through LoRA: fresh, the same on every rank, its gradient
+    summed over the ranks; in full fine-tuning (None, the run's optimizer)."""
+    if not cfg.grpo_lora_rank:
         return None, optimizer
+    adapter = lora.attach(policy, cfg.grpo_lora_rank, cfg.grpo_lora_alpha)
+    fsdp.replicate(adapter)
+    fsdp.sum_grads(adapter)
+    return adapter, torch.optim.AdamW(adapter, lr=cfg.grpo_lora_lr, weight_decay=0.0)
 
 
-def ofsd_round(policy, tokenizer, index, questions, run, r, it, sampling, cfg, gen):
-    """Mine pairs on every rank, measure the teacher's headroom, distil and merge, measure again."""
-    run.record(None, f"ofsd | it {it} | mining {ofsd_questions} questions x {group_size}")
-    pairs = fsdp.all_ranks(ofsd.mine_round(policy, tokenizer, index, questions, group_size, sampling, gen,
-                                           ofsd_students))  # every rank distils every pair
-    gap = teacher_gap.before_round(policy, tokenizer, index, pairs, sampling, kl_chunk, ofsd_context)
-    m = ofsd.distill(policy, tokenizer, pairs, cfg, seed=seed * 7919 + r,  # the pairs' order, per seed and round
-                     log=lambda epoch, n, loss: run.record(None, f"ofsd | it {it} | epoch {epoch} | step {n:4d} | "
-                                                                 f"loss {loss:.5f}"),
-                     merge=lambda params: run.merge(policy, params, f"{r:02d}-ofsd"))
-    m.update(gap, **teacher_gap.after_round(policy, tokenizer, index, pairs, sampling))
+def grpo_round(policy, kl_model, optimizer, tokenizer, index, questions, cfg, gen, first_step):
+    """The GRPO round (grpo.py), a step for each of this rank's `questions` lists: the rollouts, then the
+    updates, each a token mean over its tokens on every rank (summed here). Yields each step's metrics,
+    with what each rank holds."""
+    for s, step_questions in enumerate(questions):
+        t0 = time.time()
+        batch = grpo.explore(policy, tokenizer, index, step_questions, cfg, gen)
+        rollout_seconds = time.time() - t0
+        n_tokens = fsdp.all_sum(batch.token_counts().to(gen.device))  # (ppo_updates,) over every rank
+        done = grpo.update(policy, kl_model, optimizer, batch, n_tokens, cfg, first_step + s + 1, tokenizer.pad_id)
+        m = grpo.step_metrics(done, fsdp.all_sum(done["loss_sums"]), fsdp.all_sum(done["rollout_sums"].to(gen.device)),
+                              n_tokens)
+        yield dict(m, seconds=time.time() - t0, rollout_seconds=rollout_seconds,
+                   state_bytes=fsdp.state_bytes(policy, optimizer, kl_model))
+
+
+def ofsd_round(policy, tokenizer, index, questions, cfg, gen, run, r, it, order_seed):
+    """Mine pairs on every rank, measure the teacher's headroom, distil into a fresh adapter and merge
+    it, measure again; GRPO's optimizer state waits on disk meanwhile (run.parked)."""
+    with run.parked():
+        run.record(None, f"ofsd | it {it} | mining {cfg.ofsd_questions} questions x {cfg.group_size}")
+        pairs = fsdp.all_ranks(ofsd.mine_round(policy, tokenizer, index, questions, cfg, gen))  # every rank: all
+        gap = teacher_gap.before_round(policy, tokenizer, index, pairs, cfg.rollout, cfg.kl_chunk, cfg.ofsd_context)
+        lesson = ofsd.prepare(policy, tokenizer, pairs, cfg)  # both views, the teacher's states
+        m = dict(lesson.metrics)
+        if lesson.data:
+            adapter = lora.attach(policy, cfg.ofsd_lora_rank, cfg.ofsd_lora_alpha)
+            fsdp.replicate(adapter)  # rank 0's initialisation on every rank
+            m = ofsd.distill(policy, adapter, tokenizer, lesson, cfg, order_seed)
+            for n, (epoch, loss) in enumerate(zip(m.pop("epochs"), m["losses"]), 1):
+                run.record(None, f"ofsd | it {it} | epoch {epoch} | step {n:4d} | loss {loss:.5f}")
+            run.merge(policy, adapter, f"{r:02d}-ofsd")
+        m.update(gap, **teacher_gap.after_round(policy, tokenizer, index, pairs, cfg.rollout))
     row = dict(round=r, after="ofsd", iteration=it, **{k: v for k, v in m.items() if k != "losses"})
     run.record(dict(kind="ofsd_round", **row, losses=m["losses"]), ofsd_line(row, m))
     return {k: v for k, v in m.items() if k != "losses"}  # counts, KL, diagnostics
-
-
-RESUME_MAY_CHANGE = ("resume", "overwrite", "out_dir", "world_dir", "iterations", "eval_batch", "micro_batch",
-                     "kl_chunk", "activation_checkpointing", "rollout_rows", "search_workers", "compile")  # paths, length, speed, memory
 
 
 if __name__ == "__main__":

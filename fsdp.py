@@ -14,8 +14,9 @@ ranks, not averaged. On one CPU process in float32 (the toy main job) nothing is
 every helper below falls through to the plain model; one process that trains only LoRA adapters
 holds its frozen base in the compute dtype (`wrap`), half float32's bytes and no gathering.
 
-Generation is many small forward passes: `gathered(model)` all-gathers the weights once for a
-whole rollout batch (or evaluation), keeps them through every step, and frees them after.
+Generation is many small forward passes: `behind_hidden`, installed by `shard` and `wrap`, all-gathers
+the weights at a decode's first forward (one with a KV cache), keeps them through every step, and
+frees them at the next forward without a cache: the method's files call the model and never fsdp.py.
 Checkpoints: `full_state_dict` gathers the model on rank 0 (written in Hugging Face format), the
 optimizer is saved per rank with torch.distributed.checkpoint (`save_optimizer` / `load_optimizer`).
 `state_bytes` reports what each rank holds. `trim_host_memory` hands the memory glibc keeps freed
@@ -32,8 +33,10 @@ sharding across nodes (a 2-D device mesh), float8.
 
 import contextlib
 import ctypes
+import functools
 import os
 import time
+import types
 
 import torch
 import torch.distributed as dist
@@ -41,7 +44,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 BF16_MIN_HIDDEN = 512  # CPU bfloat16 only for layers this wide: every Qwen2.5 (896+); the toy's 128 stays float32
@@ -111,6 +114,15 @@ def setup(device, dtype, hidden_size, masters=True):
     return rank, world_size, dev, dt
 
 
+def check_compile(compile, device, world_size=1):
+    """--compile=true is for one process on CUDA: on a CPU the compiled step measured no faster and a
+    run's changing cache shapes make it compile again and again (docs/benchmarks.md)."""
+    if compile and (str(device).split(":")[0] != "cuda" or world_size > 1):
+        raise SystemExit(f"--compile=true is for one process on a CUDA device (CUDA graphs); this run is on "
+                         f"{device} with {world_size} rank(s): on a CPU the compiled decoding step is no faster "
+                         "(docs/benchmarks.md), and a sharded model's gathered weights are not what it traced")
+
+
 def teardown():
     """Leave the process group, the last thing a process does before it exits: a barrier (no rank
     tears its group down while another still talks to it: gloo aborts), then destroy it, then
@@ -138,7 +150,7 @@ def shard(model, compute_dtype):
     for m in _units(model):
         m.set_gradient_divide_factor(1.0)  # sum over ranks: the loss is already a global token mean
         m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
-    return model
+    return behind_hidden(model)
 
 
 def held_dtype(compute_dtype):
@@ -155,7 +167,7 @@ def wrap(model, compute_dtype):
         return trim_each_layer(shard(model, compute_dtype))
     model.to(compute_dtype)
     trim_host_memory()  # the float32 copies just let go
-    return trim_each_layer(model)
+    return behind_hidden(trim_each_layer(model))
 
 
 def trim_each_layer(model):
@@ -188,32 +200,68 @@ def is_sharded(model):
     return isinstance(model, FSDPModule)
 
 
-@contextlib.contextmanager
-def gathered(model):
-    """Run a block of forward passes (a rollout batch, an evaluation) on weights all-gathered once.
-    Re-entrant; a no-op for an unsharded model. Every rank must enter it together."""
-    if not is_sharded(model) or getattr(model, "_gathered", False):
-        yield model
-        return
+_LEFT_GATHERED = []  # sharded models whose root a forward without gradients left gathered
+
+
+def behind_hidden(model):
+    """Install, behind model.hidden (the forward every caller uses), what ranks and memory need of a
+    method that only calls the model:
+    - a decoding forward (one with a KV cache) of a sharded model finds every weight all-gathered once
+      and kept (no per-layer gathers for each token; ranks may decode different numbers of steps);
+    - the first forward after decoding frees them and hands the freed KV cache back to the OS
+      (`trim_host_memory`, before training; one process too);
+    - FSDP2 keeps a root's weights (embeddings, LM head) gathered after a forward without gradients
+      (the caller reads lm_head_weight after hidden()); a forward with gradients frees those of every
+      other sharded model first (the KL term's model between micro-batches), `reshard` does it too."""
+    model._behind = dict(inner=model.hidden if is_sharded(model) else None, decoding=False)  # FSDP's, or the class's
+    model.hidden = types.MethodType(_hidden, model)  # a deep copy rebinds it to the copy
+    return model
+
+
+def _hidden(model, input_ids, cache=None, *args, **kwargs):
+    """model.hidden as `behind_hidden` installs it."""
+    state, sharded, decoding = model._behind, is_sharded(model), cache is not None
     layers = [m for m in _units(model) if m is not model]
-    for m in layers:
-        m.set_reshard_after_forward(False, recurse=False)
-    for m in _units(model):
-        m.unshard()
-    model._gathered = True
-    try:
-        yield model
-    finally:
-        model._gathered = False
+    if decoding and not state["decoding"] and sharded:
+        _release_left(None)
         for m in layers:
-            m.set_reshard_after_forward(True, recurse=False)
-        reshard(model)
+            m.set_reshard_after_forward(False, recurse=False)
+        for m in _units(model):
+            m.unshard()
+    elif not decoding and state["decoding"]:
+        if sharded:
+            for m in layers:
+                m.set_reshard_after_forward(True, recurse=False)
+            reshard(model)
+        trim_host_memory()  # the KV cache just freed
+    state["decoding"] = decoding
+    if sharded and not decoding and torch.is_grad_enabled():
+        _release_left(model)
+    inner = state["inner"] or functools.partial(type(model).hidden, model)
+    out = inner(input_ids, cache, *args, **kwargs)
+    if sharded and not decoding and not torch.is_grad_enabled() and model not in _LEFT_GATHERED:
+        _LEFT_GATHERED.append(model)
+    return out
+
+
+def _release_left(keep):
+    """Free the roots that forwards without gradients left gathered, except `keep`'s."""
+    for m in [m for m in _LEFT_GATHERED if m is not keep]:
+        _LEFT_GATHERED.remove(m)
+        reshard(m)
 
 
 def reshard(model):
     """Free every all-gathered weight, so parameters are the sharded float32 masters again."""
+    if model in _LEFT_GATHERED:
+        _LEFT_GATHERED.remove(model)
     for m in _units(model):
         m.reshard()
+
+
+def shard_like(update, weight):
+    """This rank's slice of a whole tensor `update` laid out as the sharded parameter `weight`."""
+    return distribute_tensor(update, weight.device_mesh, weight.placements, src_data_rank=None)
 
 
 @torch.no_grad()

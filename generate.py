@@ -28,11 +28,11 @@ import os
 import shutil
 import sys
 import sysconfig
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-import fsdp
 from model import load, pad_right
 
 
@@ -251,11 +251,24 @@ def compile_missing():
     return None
 
 
+@dataclass(frozen=True)
+class Turns:
+    """How `decode` runs each turn (the engine's settings)."""
+    max_len: int  # the most tokens a row may hold: its prompt and every turn and observation
+    max_turn_tokens: int  # a turn's cap
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # nucleus sampling
+    rows: int = 0  # KV-cache rows, whole groups; 0 = every trajectory
+    stop_strings: tuple = ()  # a turn ends once its text holds one
+    stop_ids: tuple = None  # a turn ends at one (dropped); None: the tokenizer's end-of-turn ids
+    compile: bool = False  # decoding steps through torch.compile
+
+
 @torch.no_grad()
-def decode(model, tokenizer, prompts, group_size, turn_end, *, max_len, max_turn_tokens, temperature, top_p,
-           uniforms=None, rows=0, stop_strings=(), stop_ids=None, compile=False):
+def decode(model, tokenizer, prompts, group_size, turn_end, turns, uniforms=None):
     """The engine: `group_size` continuations of each prompt (trajectory i continues prompt i // G),
-    decoded turn by turn through one KV cache of `rows` rows (whole groups; 0 = every trajectory).
+    decoded turn by turn (`turns`: a Turns) through one KV cache of turns.rows rows (whole groups;
+    0 = every trajectory).
 
     Trajectory i samples its k-th token at its own uniform uniforms[i, k] (None: greedy), whichever
     rows share its batch and whenever they stop. A turn ends at a stop id (default: the tokenizer's
@@ -268,100 +281,100 @@ def decode(model, tokenizer, prompts, group_size, turn_end, *, max_len, max_turn
     leave. Each decoding step is decode_step over every row of the cache, reading
     the slots its longest row holds (`compile`: through torch.compile, that many rounded up to SPAN_STEP,
     so that the shapes are few). max_len: the most tokens a row may hold."""
-    with fsdp.gathered(model):  # a sharded model: weights all-gathered once for the whole batch
-        G, N = group_size, len(prompts) * group_size
-        stop_ids = set(tokenizer.eos_ids if stop_ids is None else stop_ids)
-        size = max(G, rows // G * G) if rows else N
-        if compile:  # a few cache lengths, so that the compiled step sees few strides
-            max_len = round_up(max_len, CACHE_STEP)
-        cache = new_cache(model, min(size, N), max_len)
-        dev = cache.end.device
+    max_len, max_turn_tokens, temperature, top_p, rows, stop_strings, stop_ids, compile = (
+        turns.max_len, turns.max_turn_tokens, turns.temperature, turns.top_p, turns.rows, turns.stop_strings,
+        turns.stop_ids, turns.compile)
+    G, N = group_size, len(prompts) * group_size
+    stop_ids = set(tokenizer.eos_ids if stop_ids is None else stop_ids)
+    size = max(G, rows // G * G) if rows else N
+    if compile:  # a few cache lengths, so that the compiled step sees few strides
+        max_len = round_up(max_len, CACHE_STEP)
+    cache = new_cache(model, min(size, N), max_len)
+    dev = cache.end.device
 
-        def pin():  # CUDA graphs replay on fixed addresses: the cache's tensors are marked so
-            for t in (cache.k, cache.v, cache.end) if compile and dev.type == "cuda" else ():
-                torch._dynamo.mark_static_address(t)
-        pin()
-        step = compiled(dev.type) if compile else None
-        # compiled, a few spans (few shapes); eager on CUDA too, since cuDNN's attention plans each new key
-        # length anew (2.5 ms of host time a call, bench/gpu_check.py); eager on a CPU reads no slot it need not
-        span_step = SPAN_STEP if compile or dev.type == "cuda" else 1
-        held = [None] * len(cache.end)  # the trajectory in each cache row; None when free or finished
-        length = [0] * len(held)  # the tokens each cache row holds (cache.end, known here without a sync)
-        logits = torch.zeros(len(held), model.config.vocab_size, device=dev)  # (rows, V) next-token logits
-        waiting = 0  # the first prompt not yet in the cache
-        drawn = [0] * N  # tokens each trajectory has sampled
-        turn_toks, turn_lps = [[] for _ in range(N)], [[] for _ in range(N)]  # its turn so far
-        window = max((len(x) for x in stop_strings), default=0) + 1
-        while waiting < len(prompts) or any(i is not None for i in held):
-            free = [r for r, i in enumerate(held) if i is None] if waiting < len(prompts) else []
-            k = min(len(free) // G, len(prompts) - waiting)  # prompts that enter now, G rows each
-            if k:
-                entering = prompts[waiting:waiting + k]
-                sub = new_cache(model, k, max(map(len, entering)))
-                new = extend(model, sub, entering)  # (k, V): each prompt prefilled once
-                at = free[:k * G]
-                cache.put(at, sub, [j // G for j in range(k * G)])  # copied to its G rows
-                logits[at] = new.repeat_interleave(G, dim=0)  # (k*G, V)
-                for j, r in enumerate(at):
-                    held[r], length[r] = waiting * G + j, len(entering[j // G])
-                waiting += k
-            going = [r for r, i in enumerate(held) if i is not None]
-            if waiting == len(prompts) and len(going) <= len(held) // 2:  # finished rows leave; compiled, the
-                # cache keeps exactly half its rows (finished ones fill it up), so that its shapes stay few
-                order = going + [r for r, i in enumerate(held) if i is None][:(len(held) // 2 - len(going)) * compile]
-                cache.keep(order)
-                pin()  # the same storage, seen through new tensors
-                logits, held, length = logits[order], [held[r] for r in order], [length[r] for r in order]  # (b, V)
-                going = list(range(len(going)))
-            ids = [held[r] for r in going]
-            u = None if uniforms is None else uniforms[ids, [drawn[i] for i in ids]][:, None]  # (g, 1)
-            tok, lp = draw(logits[going], temperature, top_p, u)  # (g,) each
-            writing = [False] * len(held)  # per cache row: it decodes its token now (else: turn over, or finished)
-            ended = {}  # cache row -> (the sampled token its cache still needs before what follows, the reason)
-            for r, i, t, l in zip(going, ids, tok.tolist(), lp.tolist()):
-                drawn[i] += 1
-                if t in stop_ids:
-                    ended[r] = ([], "stop_id")
-                    continue
-                turn_toks[i].append(t)
-                turn_lps[i].append(l)
-                if stop_strings and any(x in tokenizer.decode(turn_toks[i][-window:]) for x in stop_strings):
-                    ended[r] = ([t], "stop_string")
-                elif len(turn_toks[i]) == max_turn_tokens:
-                    ended[r] = ([t], "length")
+    def pin():  # CUDA graphs replay on fixed addresses: the cache's tensors are marked so
+        for t in (cache.k, cache.v, cache.end) if compile and dev.type == "cuda" else ():
+            torch._dynamo.mark_static_address(t)
+    pin()
+    step = compiled(dev.type) if compile else None
+    # compiled, a few spans (few shapes); eager on CUDA too, since cuDNN's attention plans each new key
+    # length anew (2.5 ms of host time a call, bench/gpu_check.py); eager on a CPU reads no slot it need not
+    span_step = SPAN_STEP if compile or dev.type == "cuda" else 1
+    held = [None] * len(cache.end)  # the trajectory in each cache row; None when free or finished
+    length = [0] * len(held)  # the tokens each cache row holds (cache.end, known here without a sync)
+    logits = torch.zeros(len(held), model.config.vocab_size, device=dev)  # (rows, V) next-token logits
+    waiting = 0  # the first prompt not yet in the cache
+    drawn = [0] * N  # tokens each trajectory has sampled
+    turn_toks, turn_lps = [[] for _ in range(N)], [[] for _ in range(N)]  # its turn so far
+    window = max((len(x) for x in stop_strings), default=0) + 1
+    while waiting < len(prompts) or any(i is not None for i in held):
+        free = [r for r, i in enumerate(held) if i is None] if waiting < len(prompts) else []
+        k = min(len(free) // G, len(prompts) - waiting)  # prompts that enter now, G rows each
+        if k:
+            entering = prompts[waiting:waiting + k]
+            sub = new_cache(model, k, max(map(len, entering)))
+            new = extend(model, sub, entering)  # (k, V): each prompt prefilled once
+            at = free[:k * G]
+            cache.put(at, sub, [j // G for j in range(k * G)])  # copied to its G rows
+            logits[at] = new.repeat_interleave(G, dim=0)  # (k*G, V)
+            for j, r in enumerate(at):
+                held[r], length[r] = waiting * G + j, len(entering[j // G])
+            waiting += k
+        going = [r for r, i in enumerate(held) if i is not None]
+        if waiting == len(prompts) and len(going) <= len(held) // 2:  # finished rows leave; compiled, the
+            # cache keeps exactly half its rows (finished ones fill it up), so that its shapes stay few
+            order = going + [r for r, i in enumerate(held) if i is None][:(len(held) // 2 - len(going)) * compile]
+            cache.keep(order)
+            pin()  # the same storage, seen through new tensors
+            logits, held, length = logits[order], [held[r] for r in order], [length[r] for r in order]  # (b, V)
+            going = list(range(len(going)))
+        ids = [held[r] for r in going]
+        u = None if uniforms is None else uniforms[ids, [drawn[i] for i in ids]][:, None]  # (g, 1)
+        tok, lp = draw(logits[going], temperature, top_p, u)  # (g,) each
+        writing = [False] * len(held)  # per cache row: it decodes its token now (else: turn over, or finished)
+        ended = {}  # cache row -> (the sampled token its cache still needs before what follows, the reason)
+        for r, i, t, l in zip(going, ids, tok.tolist(), lp.tolist()):
+            drawn[i] += 1
+            if t in stop_ids:
+                ended[r] = ([], "stop_id")
+                continue
+            turn_toks[i].append(t)
+            turn_lps[i].append(l)
+            if stop_strings and any(x in tokenizer.decode(turn_toks[i][-window:]) for x in stop_strings):
+                ended[r] = ([t], "stop_string")
+            elif len(turn_toks[i]) == max_turn_tokens:
+                ended[r] = ([t], "length")
+            else:
+                writing[r] = True
+                length[r] += 1
+        chunks = {}  # cache rows that go on: what they read next
+        if ended:
+            nxt = turn_end([(held[r], turn_toks[held[r]], turn_lps[held[r]], why) for r, (_, why) in ended.items()])
+            for r in ended:
+                i = held[r]
+                turn_toks[i], turn_lps[i] = [], []
+                if nxt[i] is None:
+                    held[r] = None
                 else:
-                    writing[r] = True
-                    length[r] += 1
-            chunks = {}  # cache rows that go on: what they read next
-            if ended:
-                nxt = turn_end([(held[r], turn_toks[held[r]], turn_lps[held[r]], why) for r, (_, why) in ended.items()])
-                for r in ended:
-                    i = held[r]
-                    turn_toks[i], turn_lps[i] = [], []
-                    if nxt[i] is None:
-                        held[r] = None
-                    else:
-                        chunks[r] = nxt[i]
-            if any(writing):  # a decoding step of every row, those not writing masked
-                need = max(length)  # the longest row after this step (more than max_len: upto refuses it)
-                span = max(need, min(round_up(need, span_step), max_len))
-                toks = torch.zeros(len(held), dtype=torch.long, device=dev)
-                toks[going] = tok  # (rows,)
-                w = torch.tensor(writing, device=dev)  # (rows,)
-                if compile:
-                    logits = torch.where(w[:, None], step(model, cache.upto(span), toks, w), logits)  # (rows, V)
-                else:
-                    logits[w] = decode_step(model, cache.upto(span), toks, w, every_row=False)  # (writing, V)
-            if chunks:  # rows whose turn ended read what follows, in a cache of their own
-                at = sorted(chunks)
-                feed = [ended[r][0] + chunks[r] for r in at]  # (the turn's last token when the cache lacks it)
-                sub = cache.take(at, max(map(len, feed)))
-                logits[at] = extend(model, sub, feed)  # (b, V)
-                cache.put(at, sub)
-                for r, f in zip(at, feed):
-                    length[r] += len(f)
-        cache = logits = None  # freed before the trim below
-    fsdp.trim_host_memory()  # the KV cache and gathered weights back to the OS, before training
+                    chunks[r] = nxt[i]
+        if any(writing):  # a decoding step of every row, those not writing masked
+            need = max(length)  # the longest row after this step (more than max_len: upto refuses it)
+            span = max(need, min(round_up(need, span_step), max_len))
+            toks = torch.zeros(len(held), dtype=torch.long, device=dev)
+            toks[going] = tok  # (rows,)
+            w = torch.tensor(writing, device=dev)  # (rows,)
+            if compile:
+                logits = torch.where(w[:, None], step(model, cache.upto(span), toks, w), logits)  # (rows, V)
+            else:
+                logits[w] = decode_step(model, cache.upto(span), toks, w, every_row=False)  # (writing, V)
+        if chunks:  # rows whose turn ended read what follows, in a cache of their own
+            at = sorted(chunks)
+            feed = [ended[r][0] + chunks[r] for r in at]  # (the turn's last token when the cache lacks it)
+            sub = cache.take(at, max(map(len, feed)))
+            logits[at] = extend(model, sub, feed)  # (b, V)
+            cache.put(at, sub)
+            for r, f in zip(at, feed):
+                length[r] += len(f)
 
 
 def generate(model, tokenizer, prompts, max_new_tokens, *, temperature=0.0, top_p=1.0, generator=None,
@@ -375,9 +388,8 @@ def generate(model, tokenizer, prompts, max_new_tokens, *, temperature=0.0, top_
     def turn_end(ended):
         out.update({i: (toks, lps, why) for i, toks, lps, why in ended})
         return {i: None for i, *_ in ended}
-    decode(model, tokenizer, prompts, 1, turn_end, max_len=max(map(len, prompts)) + max_new_tokens + 1,
-           max_turn_tokens=max_new_tokens, temperature=temperature, top_p=top_p, uniforms=u,
-           stop_strings=stop_strings, stop_ids=stop_ids, compile=compile)
+    decode(model, tokenizer, prompts, 1, turn_end, Turns(max(map(len, prompts)) + max_new_tokens + 1, max_new_tokens,
+                                                          temperature, top_p, 0, tuple(stop_strings), stop_ids, compile), u)
     return tuple(list(x) for x in zip(*(out[i] for i in range(len(prompts)))))
 
 

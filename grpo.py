@@ -7,41 +7,57 @@ The loss per policy-sampled token t (log-probs of softmax(logits / temperature))
     pg_t  = max(-A rho_t, -A clip(rho_t, 1 - eps, 1 + eps))
     d_t   = clamp(log pi_kl(t) - log pi(t), -20, 20);  kl_t = clamp(exp(d_t) - d_t - 1, -10, 10)
     L     = sum_t loss_mask_t (pg_t + beta kl_t - c_H H_t) / sum_t loss_mask_t   (H_t: the entropy)
-A step rolls out fresh trajectories and makes `ppo_updates` AdamW updates on shuffled shares of the
-groups (veRL's PPO epochs: the first sees rho = 1). Two calls need every rank: `all_sum` (the
-token mean), `reshard` (FSDP2 keeps a root's weights gathered after a no-grad forward).
+A step is `explore` (fresh rollouts, rewards, advantages, the groups shuffled into `ppo_updates`
+shares) then `update` (an AdamW update a share: veRL's PPO epochs, the first sees rho = 1). The token
+mean's count is over every rank: the loop sums `Batch.token_counts` over the ranks and passes it in.
 Left out: value models (GRPO needs none), format rewards, dynamic sampling, length penalties.
 
     python evolve.py --ofsd_rounds=false     # GRPO alone on the toy world
 """
 
 import contextlib
-import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 import lora
-from fsdp import all_sum, reshard
+from configurator import refuse_bad
 from model import token_logprobs
 from rollout import RolloutConfig, em_rewards, pad_batch, rollout
 
 
 @dataclass(frozen=True)
 class GRPOConfig:
-    """A GRPO round's settings (evolve.py's constants of these names)."""
+    """A GRPO round's settings (evolve.py's constants of these names), each checked here."""
     grpo_steps: int  # optimizer steps a round
     questions_per_step: int  # questions rolled out a step, over all ranks
     ppo_mini_batch: int  # questions an update
     group_size: int  # G rollouts a question
     micro_batch: int  # trajectories a forward/backward
-    lr: float  # AdamW learning rate
-    warmup_steps: int  # linear warm-up, over the run's first steps
+    lr: float  # AdamW learning rate (full fine-tuning)
+    grpo_lora_rank: int  # 0: every weight trains; r > 0: a fresh rank-r adapter a round (the loop attaches it)
+    grpo_lora_alpha: float  # that adapter's alpha
+    grpo_lora_lr: float  # that adapter's AdamW learning rate
+    warmup_steps: int  # linear warm-up over the run's first steps; 0: none
     clip_ratio: float  # PPO's epsilon
     kl_coef: float  # beta
+    kl_policy: str  # the KL term's model: "round" (the round's start), "initial" (the start model)
     entropy_coef: float  # c_H
     max_grad_norm: float  # gradient-norm clip
     rollout: RolloutConfig  # how the rollouts run (temperature: also the loss's)
+
+    def __post_init__(self):
+        refuse_bad(self, positive=("grpo_steps", "questions_per_step", "ppo_mini_batch", "micro_batch", "lr",
+                                   "grpo_lora_alpha", "grpo_lora_lr", "clip_ratio", "max_grad_norm"),
+                   not_negative=("grpo_lora_rank", "warmup_steps", "kl_coef", "entropy_coef"),
+                   choices=dict(kl_policy=("round", "initial")),
+                   also=[(self.group_size < 2, f"--group_size={self.group_size}: must be >= 2 (a group of one has "
+                                               "no advantage and gives no OFSD pair)"),
+                         (self.ppo_mini_batch > self.questions_per_step, f"--ppo_mini_batch={self.ppo_mini_batch}: "
+                          f"must be at most --questions_per_step={self.questions_per_step}"),
+                         (not self.rollout.temperature > 0, f"--temperature={self.rollout.temperature}: must be > 0 "
+                                                            "(GRPO samples)")])
 
     @property
     def ppo_updates(self):
@@ -69,11 +85,40 @@ def grpo_token_loss(logp, old_logp, kl_logp, adv, clip_ratio, kl_coef, entropy=N
     return loss, pg, kl, clipped
 
 
-def grpo_step(model, kl_model, optimizer, trajs, advantages, cfg, pad_id):
-    """One AdamW update on `trajs` (a PPO mini-batch), accumulated over micro-batches. kl_model None:
-    the KL term's model is the policy with its LoRA adapter off."""
+class Batch(NamedTuple):
+    """One GRPO step's rollouts: question-major trajectories, G a question, and what the updates read."""
+    trajs: list  # this rank's trajectories
+    rewards: list  # EM of each
+    advantages: list  # group advantage of each
+    parts: list  # the trajectory indices of each PPO update (a shuffled share of the groups)
+
+    def token_counts(self):
+        """Policy tokens of each update's trajectories on this rank, (ppo_updates,) float32."""
+        return torch.tensor([float(sum(sum(self.trajs[i].loss_mask) for i in part)) for part in self.parts])
+
+
+def explore(policy, tokenizer, index, questions, cfg, generator):
+    """A step's rollouts: G a question, their EM rewards and group advantages, and the groups shuffled
+    into cfg.ppo_updates shares (one more group for the first len % n)."""
+    G = cfg.group_size
+    trajs = rollout(policy, tokenizer, index, [q["question"] for q in questions], G, cfg.rollout, generator)
+    rewards = em_rewards(trajs, questions, G)
+    order = list(range(len(questions)))
+    if cfg.ppo_updates > 1:
+        order = torch.randperm(len(order), generator=generator, device=generator.device).tolist()
+    parts = [[i * G + j for i in order[u::cfg.ppo_updates] for j in range(G)] for u in range(cfg.ppo_updates)]
+    return Batch(trajs, rewards, group_advantages(rewards, G).tolist(), parts)
+
+
+def grpo_step(model, kl_model, optimizer, trajs, advantages, cfg, pad_id, n_tokens=None):
+    """One AdamW update on `trajs` (a PPO mini-batch), accumulated over micro-batches; the loss is a
+    token mean over `n_tokens`, the update's policy tokens on every rank (None: these trajectories'
+    own, one process). kl_model None: the KL term's model is the policy with its LoRA adapter off.
+    Returns this rank's share of each token mean, its token `sums` of the loss, pg, kl, clipped and
+    entropy ((5,) float64), the gradient norm and the token count."""
     device, temperature = model.model.embed_tokens.weight.device, cfg.rollout.temperature
-    n_tokens = all_sum(torch.tensor(float(sum(sum(t.loss_mask) for t in trajs)), device=device))
+    if n_tokens is None:
+        n_tokens = torch.tensor(float(sum(sum(t.loss_mask) for t in trajs)), device=device)
     optimizer.zero_grad(set_to_none=True)
     sums = torch.zeros(5, dtype=torch.float64, device=device)  # loss, pg, kl, clipped, entropy (token sums)
     by_length = sorted(range(len(trajs)), key=lambda i: len(trajs[i].tokens))  # micro-batches pad little
@@ -90,48 +135,39 @@ def grpo_step(model, kl_model, optimizer, trajs, advantages, cfg, pad_id):
                                                 entropy, cfg.entropy_coef)
         (loss.sum() / n_tokens).backward()
         sums += torch.stack([loss.sum(), pg.sum(), kl.sum(), clipped.float().sum(), entropy.sum()]).detach()
-    reshard(model if kl_model is None else kl_model)
-    sums = all_sum(sums) / n_tokens
     params = [p for g in optimizer.param_groups for p in g["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)  # the global norm
     optimizer.step()
-    return dict(loss=sums[0].item(), pg=sums[1].item(), kl=sums[2].item(), clip_frac=sums[3].item(),
-                entropy=sums[4].item(), grad_norm=grad_norm.item(), tokens=int(n_tokens.item()))
+    means = sums / n_tokens
+    return dict(loss=means[0].item(), pg=means[1].item(), kl=means[2].item(), clip_frac=means[3].item(),
+                entropy=means[4].item(), grad_norm=grad_norm.item(), tokens=int(n_tokens.item()), sums=sums)
 
 
-def grpo_round(policy, kl_model, optimizer, tokenizer, index, next_questions, cfg, generator, first_step, log):
-    """cfg.grpo_steps steps on this rank's `next_questions()`, lr warmed up over the run's first steps
-    (`first_step` came before); `log(metrics)` after each step; returns their metrics."""
-    device, G, history = policy.model.embed_tokens.weight.device, cfg.group_size, []
-    policy.train()
-    for s in range(cfg.grpo_steps):
-        t0, step = time.time(), first_step + s + 1
-        questions = next_questions()
-        # 1. G rollouts a question, their EM rewards and group advantages
-        trajs = rollout(policy, tokenizer, index, [q["question"] for q in questions], G, cfg.rollout, generator)
-        rollout_seconds = time.time() - t0
-        rewards = em_rewards(trajs, questions, G)
-        advantages = group_advantages(rewards, G).tolist()
-        # 2. ppo_updates updates, each on a shuffled share of the groups (one more for the first len % n)
-        for g in optimizer.param_groups:
-            g["lr"] = cfg.lr * min(1.0, step / cfg.warmup_steps)
-        order = list(range(len(questions)))
-        if cfg.ppo_updates > 1:
-            order = torch.randperm(len(order), generator=generator, device=generator.device).tolist()
-        updates = []
-        for u in range(cfg.ppo_updates):
-            part = [i * G + j for i in order[u::cfg.ppo_updates] for j in range(G)]
-            updates.append(grpo_step(policy, kl_model, optimizer, [trajs[i] for i in part],
-                                     [advantages[i] for i in part], cfg, tokenizer.pad_id))
-        # 3. the step's metrics: means over the updates, reward and searches over every rank
-        m = {k: sum(x[k] for x in updates) / len(updates) for k in updates[0]}
-        m["tokens"] = sum(x["tokens"] for x in updates)
-        if cfg.ppo_updates > 1:
-            m["updates"] = updates
-        stats = all_sum(torch.tensor([sum(rewards), sum(t.n_search for t in trajs), len(trajs)], device=device))
-        m.update(step=step, lr=optimizer.param_groups[0]["lr"], reward=(stats[0] / stats[2]).item(),
-                 searches=(stats[1] / stats[2]).item(), seconds=time.time() - t0, rollout_seconds=rollout_seconds)
-        log(m)
-        history.append(m)
-    policy.eval()
-    return history
+def update(policy, kl_model, optimizer, batch, n_tokens, cfg, step, pad_id):
+    """A step's cfg.ppo_updates AdamW updates on `batch`, update u a token mean over n_tokens[u] (its
+    policy tokens on every rank), the learning rate warmed up over the run's first cfg.warmup_steps.
+    Returns the updates' gradient norms and this rank's sums: the loss terms of each update
+    ((ppo_updates, 5) float64) and of the rollouts (reward, searches, trajectories: (3,))."""
+    lr = cfg.grpo_lora_lr if cfg.grpo_lora_rank else cfg.lr
+    for g in optimizer.param_groups:
+        g["lr"] = lr * min(1.0, step / cfg.warmup_steps) if cfg.warmup_steps else lr
+    done = [grpo_step(policy, kl_model, optimizer, [batch.trajs[i] for i in part], [batch.advantages[i] for i in part],
+                      cfg, pad_id, n) for part, n in zip(batch.parts, n_tokens)]
+    rollout_sums = torch.tensor([sum(batch.rewards), sum(t.n_search for t in batch.trajs), len(batch.trajs)])
+    return dict(loss_sums=torch.stack([d["sums"] for d in done]), rollout_sums=rollout_sums,
+                grad_norms=[d["grad_norm"] for d in done], step=step, lr=optimizer.param_groups[0]["lr"])
+
+
+def step_metrics(done, loss_sums, rollout_sums, n_tokens):
+    """A step's metrics from `update`'s result and its sums over every rank: each update's token means
+    (its `updates`, when there are several), their mean, the reward and searches a trajectory."""
+    means = loss_sums / n_tokens[:, None]  # (ppo_updates, 5)
+    updates = [dict(loss=u[0].item(), pg=u[1].item(), kl=u[2].item(), clip_frac=u[3].item(), entropy=u[4].item(),
+                    grad_norm=g, tokens=int(n.item())) for u, g, n in zip(means, done["grad_norms"], n_tokens)]
+    m = {k: sum(x[k] for x in updates) / len(updates) for k in updates[0]}
+    m["tokens"] = sum(x["tokens"] for x in updates)
+    if len(updates) > 1:
+        m["updates"] = updates
+    m.update(step=done["step"], lr=done["lr"], reward=(rollout_sums[0] / rollout_sums[2]).item(),
+             searches=(rollout_sums[1] / rollout_sums[2]).item())
+    return m

@@ -14,7 +14,8 @@ An OFSD round follows a GRPO round:
      L = 1/|R| sum_{p in R} sum_v min(Pt_p(v) log(Pt_p(v) / Ps_p(v)), tau_clip)      ofsd_clip "vocab"
    ("position" clips each position's KL, "none" nothing). `ofsd_loss` "nll" fits tau_ref's policy
    tokens in the student view instead (the rft control), "nll_kl" the sum.
-4. AdamW on the adapter alone, then merge it. Left out: reverse KL, OFSD and RL in one loss.
+4. AdamW on the adapter alone (the loop attaches it, then merges it). Left out: reverse KL, OFSD and
+   RL in one loss.
 
     python evolve.py --ofsd_loss=nll      # the loop runs the rounds; python clipped_kl.py checks the loss
 """
@@ -27,27 +28,41 @@ from typing import NamedTuple
 import torch
 
 import lora
-from clipped_kl import fused_linear_clipped_kl, position_stats
+from clipped_kl import CLIPS, fused_linear_clipped_kl, position_stats
+from configurator import refuse_bad
 from model import pad_right, token_logprobs
-from rollout import ACTION, em_rewards, make_prompt, pad_batch, rollout
+from rollout import ACTION, RolloutConfig, em_rewards, make_prompt, pad_batch, rollout
 
 
 @dataclass(frozen=True)
 class OFSDConfig:
-    """An OFSD round's settings (evolve.py's constants of these names)."""
+    """An OFSD round's settings (evolve.py's constants of these names), each checked here."""
+    ofsd_questions: int  # questions rolled out to mine pairs
+    group_size: int  # G rollouts a question
+    ofsd_students: str  # "any" (the paper's rule), "incorrect"
     ofsd_loss: str  # "kl" (the paper's), "nll" (the rft control), "nll_kl"
     ofsd_kl_weight: float  # the KL's weight beside the NLL in "nll_kl"
-    lora_rank: int
-    lora_alpha: float
-    lora_lr: float
-    lora_epochs: int  # passes over the pairs
-    ofsd_micro_batch: int  # pairs an optimizer step
+    ofsd_lora_rank: int
+    ofsd_lora_alpha: float
+    ofsd_lora_lr: float
+    ofsd_epochs: int  # passes over the pairs
+    ofsd_pairs_per_step: int  # pairs an optimizer step (and a teacher or measuring pass)
     tau_clip: float  # the loss's clip threshold
     ofsd_clip: str  # what tau_clip caps: "vocab", "position", "none"
     ofsd_context: str  # what the teacher sees of tau_ref (CONTEXTS)
     ofsd_positions: str  # where the loss counts (POSITIONS)
     max_grad_norm: float
     kl_chunk: int  # positions per LM-head chunk (memory, not results)
+    rollout: RolloutConfig  # how the mining rollouts run
+
+    def __post_init__(self):
+        refuse_bad(self, positive=("ofsd_questions", "ofsd_lora_rank", "ofsd_lora_alpha", "ofsd_lora_lr", "ofsd_epochs",
+                                   "ofsd_pairs_per_step", "max_grad_norm", "kl_chunk"),
+                   not_negative=("ofsd_kl_weight", "tau_clip"),
+                   choices=dict(ofsd_students=("any", "incorrect"), ofsd_loss=LOSSES, ofsd_clip=CLIPS,
+                                ofsd_context=CONTEXTS, ofsd_positions=POSITIONS),
+                   also=[(self.ofsd_clip != "none" and not self.tau_clip > 0, f"--tau_clip={self.tau_clip}: must be > 0 "
+                                                                             f"(--ofsd_clip={self.ofsd_clip})")])
 
 
 class Pair(NamedTuple):
@@ -126,10 +141,10 @@ def mine(trajs, questions, group_size, ofsd_students="any"):
             if p.incorrect or ofsd_students == "any"]
 
 
-def mine_round(policy, tokenizer, index, questions, group_size, cfg, generator, ofsd_students):
-    """Step 1 on this rank's questions: G rollouts each of the current policy, then `mine`."""
-    trajs = rollout(policy, tokenizer, index, [q["question"] for q in questions], group_size, cfg, generator)
-    return mine(trajs, questions, group_size, ofsd_students)
+def mine_round(policy, tokenizer, index, questions, cfg, generator):
+    """Step 1 on this rank's questions: G rollouts each of the current policy (cfg: an OFSDConfig), then `mine`."""
+    trajs = rollout(policy, tokenizer, index, [q["question"] for q in questions], cfg.group_size, cfg.rollout, generator)
+    return mine(trajs, questions, cfg.group_size, cfg.ofsd_students)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -153,6 +168,16 @@ def privileged(tokenizer, pair, context):
         return GROUP_QUERIES.format(attempts="\n".join(
             f"- {'correct' if r > 0 else 'incorrect'}: {' | '.join(qs) if qs else NO_SEARCH}" for qs, r in pair.group))
     raise ValueError(f"ofsd_context={context!r}: must be one of {', '.join(CONTEXTS)}")
+
+
+def max_context_tokens(tokenizer, context, response, group_size):
+    """At most how many tokens `privileged` adds for a response of at most `response` tokens: the
+    framing and tau_ref's response ("full", "no_answer"; a query list is shorter than the response it
+    came from, whose observations it leaves out), or every sibling's ("group_queries", a few tokens
+    more a line for its mark)."""
+    framing = {"full": FULL, "no_answer": NO_ANSWER, "queries": QUERIES, "group_queries": GROUP_QUERIES}[context]
+    mark = len(tokenizer.encode("\n- incorrect: " + NO_SEARCH))
+    return len(tokenizer.encode(framing)) + (group_size * (response + mark) if context == "group_queries" else response)
 
 
 def query_positions(tokenizer, stu):
@@ -230,27 +255,37 @@ def pair_states(model, items):
 # ----------------------------------------------------------------------------------------------
 # 4. the round
 
-def distill(model, tokenizer, pairs, cfg, seed, log=None, merge=None):
-    """Steps 2-4: a LoRA adapter trained on the pairs (in an order `seed` shuffles), then merged by
-    `merge(params)` (default lora.merge_trained). Returns the KL's statistics and tau_ref's NLL
-    before and after."""
-    metrics = dict(pairs=len(pairs), incorrect_students=sum(p.incorrect for p in pairs), losses=[])
-    # 1. both views of every pair; the teacher's states (adapter off)
+class Lesson(NamedTuple):
+    """What a round distils, made before its adapter exists: the pairs' counts, the loss's data and the
+    items the KL statistics measure."""
+    metrics: dict  # pairs, incorrect_students
+    data: list  # (tau_ref, (PairSequences, teacher states) or None) a usable pair: what the loss trains on
+    items: list  # (PairSequences, teacher states (n, d)) of every pair with a loss position
+    refs: list  # the tau_refs with policy tokens (their NLL is measured)
+
+
+def prepare(model, tokenizer, pairs, cfg):
+    """Step 2 for every pair: both views and the teacher's hidden states (the adapter off), and what the
+    loss (cfg.ofsd_loss) can train on. No usable pair: empty `data`, and the round trains nothing."""
     seqs = [pair_sequences(tokenizer, p.stu, privileged(tokenizer, p, cfg.ofsd_context), cfg.ofsd_positions)
             for p in pairs]
     with_pos = [s for s in seqs if s.student_pos]  # a student with no loss position has no KL term
-    states = iter(teacher_states(model, with_pos, cfg.ofsd_micro_batch))
+    states = iter(teacher_states(model, with_pos, cfg.ofsd_pairs_per_step))
     items = [(s, next(states)) if s.student_pos else None for s in seqs]  # per pair: (PairSequences, (n, d))
-    # 2. what this loss trains on: (tau_ref, KL item) a usable pair
     data = [(p.ref, item) for p, item in zip(pairs, items)
             if (cfg.ofsd_loss == "nll" or item is not None) and (cfg.ofsd_loss == "kl" or sum(p.ref.loss_mask))]
-    items = [item for item in items if item is not None]
-    refs = [p.ref for p in pairs if sum(p.ref.loss_mask)]
-    if not data:
-        return metrics
+    return Lesson(dict(pairs=len(pairs), incorrect_students=sum(p.incorrect for p in pairs), losses=[]), data,
+                  [item for item in items if item is not None], [p.ref for p in pairs if sum(p.ref.loss_mask)])
+
+
+def distill(model, params, tokenizer, lesson, cfg, seed):
+    """Steps 3-4: the LoRA adapter `params`, just attached to `model`, trained on the lesson's data (in
+    an order `seed` shuffles; the caller merges it). Returns the counts, the KL's statistics and
+    tau_ref's NLL before and after, and each step's epoch and loss."""
+    metrics, items, refs = dict(lesson.metrics), lesson.items, lesson.refs
 
     def measure(when):
-        stats = pair_stats(model, items, cfg.tau_clip, cfg.ofsd_clip, cfg.ofsd_micro_batch, cfg.kl_chunk) \
+        stats = pair_stats(model, items, cfg.tau_clip, cfg.ofsd_clip, cfg.ofsd_pairs_per_step, cfg.kl_chunk) \
             if items else {}
         with torch.no_grad():
             stats["nll"] = tau_ref_nll(model, refs, tokenizer.pad_id).item() if refs else None
@@ -262,33 +297,29 @@ def distill(model, tokenizer, pairs, cfg, seed, log=None, merge=None):
         nll = tau_ref_nll(model, [ref for ref, _ in batch], tokenizer.pad_id)
         return nll if cfg.ofsd_loss == "nll" else nll + cfg.ofsd_kl_weight * pair_loss(
             model, [item for _, item in batch], cfg.tau_clip, cfg.ofsd_clip, cfg.kl_chunk)
-    # 3. a fresh adapter, trained, measured before and after, merged
-    params = lora.attach(model, cfg.lora_rank, cfg.lora_alpha)
     measure("before")
-    metrics["losses"] = fit_adapter(params, data, batch_loss, cfg, seed, log)
+    metrics["epochs"], metrics["losses"] = fit_adapter(params, lesson.data, batch_loss, cfg, seed)
     measure("after")
-    (merge or (lambda p: lora.merge_trained(model, p)))(params)
     return metrics
 
 
-def fit_adapter(params, data, batch_loss, cfg, seed, log=None):
-    """AdamW on `params`, cfg.lora_epochs shuffled passes over `data`, a step on batch_loss(items) for
-    each cfg.ofsd_micro_batch items; `log(epoch, step, loss)` after each. Returns the losses."""
-    opt = torch.optim.AdamW(params, lr=cfg.lora_lr, weight_decay=0.0)
-    rng, losses = random.Random(seed), []
-    for epoch in range(cfg.lora_epochs):
+def fit_adapter(params, data, batch_loss, cfg, seed):
+    """AdamW on `params`, cfg.ofsd_epochs shuffled passes over `data`, a step on batch_loss(items) for
+    each cfg.ofsd_pairs_per_step items. Returns each step's epoch and loss."""
+    opt = torch.optim.AdamW(params, lr=cfg.ofsd_lora_lr, weight_decay=0.0)
+    rng, epochs, losses = random.Random(seed), [], []
+    for epoch in range(cfg.ofsd_epochs):
         order = list(range(len(data)))
         rng.shuffle(order)
-        for s in range(0, len(order), cfg.ofsd_micro_batch):
-            loss = batch_loss([data[i] for i in order[s:s + cfg.ofsd_micro_batch]])
+        for s in range(0, len(order), cfg.ofsd_pairs_per_step):
+            loss = batch_loss([data[i] for i in order[s:s + cfg.ofsd_pairs_per_step]])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             opt.step()
+            epochs.append(epoch)
             losses.append(loss.item())
-            if log:
-                log(epoch, len(losses), loss.item())
-    return losses
+    return epochs, losses
 
 
 @torch.no_grad()
@@ -304,12 +335,12 @@ def teacher_states(model, data, micro_batch):
 
 
 @torch.no_grad()
-def pair_stats(model, items, tau_clip, ofsd_clip, ofsd_micro_batch, kl_chunk):
+def pair_stats(model, items, tau_clip, ofsd_clip, ofsd_pairs_per_step, kl_chunk):
     """Mean over the pairs of each pair's mean over its positions of the clipped loss, the true KL, the
     share of positions clipped and the student's probability of the teacher's top token."""
     sums = dict(loss=0.0, kl_true=0.0, clip_frac=0.0, p_top=0.0)
-    for i in range(0, len(items), ofsd_micro_batch):
-        part = items[i:i + ofsd_micro_batch]
+    for i in range(0, len(items), ofsd_pairs_per_step):
+        part = items[i:i + ofsd_pairs_per_step]
         h_s, h_t, s_pos = pair_states(model, part)  # (N, d) each
         stats = position_stats(h_s, h_t, model.lm_head_weight, tau_clip, ofsd_clip, kl_chunk)
         lengths = [len(p) for p in s_pos]

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 import generate
+from configurator import refuse_bad
 from model import load, pad_right
 from retriever import format_docs
 
@@ -56,6 +57,11 @@ class RolloutConfig:
     rollout_rows: int = 0  # trajectories decoded at once (the KV cache's rows); 0 = all
     search_workers: int = 1  # processes sharing a turn's searches
     compile: bool = False  # decoding steps through torch.compile
+
+    def __post_init__(self):
+        refuse_bad(self, positive=("max_turn_tokens", "max_obs_tokens", "top_k", "search_workers"),
+                   not_negative=("max_turns", "rollout_rows", "temperature"),
+                   also=[(not 0 < self.top_p <= 1, f"--top_p={self.top_p}: must be in (0, 1]")])
 
     def greedy(self):
         """The same rollouts without sampling (evaluations)."""
@@ -202,9 +208,9 @@ def rollout(model, tokenizer, retriever, questions, group_size, cfg, generator=N
         return nxt
 
     max_len = max(map(len, prompts)) + max_response_tokens(tokenizer, cfg)
-    generate.decode(model, tokenizer, prompts, G, turn_end, max_len=max_len, max_turn_tokens=cfg.max_turn_tokens,
-                    temperature=cfg.temperature, top_p=cfg.top_p, uniforms=u, rows=cfg.rollout_rows,
-                    stop_strings=STOP_STRINGS, compile=cfg.compile)
+    turns = generate.Turns(max_len, cfg.max_turn_tokens, cfg.temperature, cfg.top_p, cfg.rollout_rows, STOP_STRINGS,
+                           compile=cfg.compile)
+    generate.decode(model, tokenizer, prompts, G, turn_end, turns, u)
     return trajs
 
 

@@ -82,8 +82,8 @@ def child(args):
     pair_trajs = made_trajectories(tok, questions[:2 * args.pairs], 1, 2, 200, 0, R)
     pairs = [ofsd.Pair(ref, stu, True, golds=("x",)) for ref, stu in zip(pair_trajs[::2], pair_trajs[1::2])]
     with torch.enable_grad():
-        distill(policy, tok, pairs, 0, ofsd_loss="kl", kl_weight=1.0, lora_rank=16, lora_alpha=32, lora_lr=2e-4,
-                lora_epochs=2, ofsd_micro_batch=4, tau_clip=0.05, ofsd_clip="none", ofsd_context="full",
+        distill(policy, tok, pairs, 0, ofsd_loss="kl", kl_weight=1.0, ofsd_lora_rank=16, ofsd_lora_alpha=32, ofsd_lora_lr=2e-4,
+                ofsd_epochs=2, ofsd_pairs_per_step=4, tau_clip=0.05, ofsd_clip="none", ofsd_context="full",
                 ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=256)
     print(json.dumps(dict(regime=args.regime, setup=setup_peak, resident=resident, mining=mining_peak, round=peak(),
                           seconds=time.time() - t0, student=len(pairs[0].stu.tokens),

@@ -281,7 +281,7 @@ def loop_rows(tmp, checkpoint):
     args = [f"--model_dir={ckpt}", f"--index_dir={world}/index", f"--train_file={world}/train.jsonl",
             f"--test_file={world}/test.jsonl", "--test_limit=8", "--iterations=1", "--grpo_steps=1",
             f"--questions_per_step={q}", f"--ppo_mini_batch={q // 2}", f"--group_size={g}", f"--ofsd_questions={q}",
-            "--dtype=bfloat16", *protocol, "--micro_batch=4", "--lora_epochs=1"]
+            "--dtype=bfloat16", *protocol, "--micro_batch=4", "--ofsd_epochs=1"]
     P = n_params(model.Qwen2Config.from_json(os.path.join(ckpt, "config.json")))
     rows = []
     for ranks in (1, 2):

@@ -57,7 +57,7 @@ rng = random.Random(0)
 qs = lambda n: [train[rng.randrange(len(train))] for _ in range(n)]
 if hasattr(grpo, "GRPOConfig"):
     gcfg = settings(grpo.GRPOConfig, grpo_steps=1, questions_per_step=2, ppo_mini_batch=2)
-    ocfg = settings(ofsd.OFSDConfig, lora_epochs=1)
+    ocfg = settings(ofsd.OFSDConfig, ofsd_epochs=1)
     g = lambda: grpo.grpo_round(pol, None if False else evolve.lora.load_policy(os.path.join(W, "backbone"))[0], torch.optim.AdamW(pol.parameters(), lr=1e-4), tok, index, lambda: qs(2), gcfg, gen, 0, log=lambda m: None)
     sampling = settings(RolloutConfig)
     def o():
@@ -70,8 +70,8 @@ else:
         steps=1, first_step=0, lr=1e-4, warmup_steps=3, group_size=5, ppo_updates=1, micro_batch=20, clip_ratio=0.2, kl_coef=0.001,
         entropy_coef=0.001, max_grad_norm=1.0, rollout_args=rollout_args, generator=gen, log=lambda m: None)
     def o():
-        ofsd.distill(pol, tok, pairs, ofsd_loss="kl", kl_weight=1.0, lora_rank=16, lora_alpha=32, lora_lr=2e-4, lora_epochs=1,
-            ofsd_micro_batch=4, tau_clip=0.05, ofsd_clip="vocab", ofsd_context="full", ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=256, seed=0)
+        ofsd.distill(pol, tok, pairs, ofsd_loss="kl", kl_weight=1.0, ofsd_lora_rank=16, ofsd_lora_alpha=32, ofsd_lora_lr=2e-4, ofsd_epochs=1,
+            ofsd_pairs_per_step=4, tau_clip=0.05, ofsd_clip="vocab", ofsd_context="full", ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=256, seed=0)
 rng2 = random.Random(1)
 import rollout as _R
 _qs = [train[rng2.randrange(len(train))] for _ in range(8)]

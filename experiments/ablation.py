@@ -32,6 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import cell, provenance, stats  # noqa: E402
 from eval import curves_svg  # noqa: E402  (the repository's chart, shared with evolve.py)
+import configurator  # noqa: E402
 import evolve  # noqa: E402  (its parse_overrides types a variant's settings)
 import checkpoint  # noqa: E402
 
@@ -50,15 +51,15 @@ DIAGNOSTICS = ("pairs", "incorrect_students", "teacher_em", "student_em", "disag
 # The settings only an OFSD round reads (evolve.py passes them to ofsd.mine_round, teacher_gap and
 # ofsd.distill alone). Variants that differ from the baseline in these alone share its first GRPO round
 # (same seed, same steps, deterministic), which runs once per seed.
-OFSD_ONLY = ("ofsd_rounds", "ofsd_questions", "ofsd_students", "ofsd_loss", "ofsd_kl_weight", "lora_rank", "lora_alpha",
-             "lora_lr", "lora_epochs", "ofsd_micro_batch", "tau_clip", "ofsd_clip", "ofsd_context", "ofsd_positions",
+OFSD_ONLY = ("ofsd_rounds", "ofsd_questions", "ofsd_students", "ofsd_loss", "ofsd_kl_weight", "ofsd_lora_rank", "ofsd_lora_alpha",
+             "ofsd_lora_lr", "ofsd_epochs", "ofsd_pairs_per_step", "tau_clip", "ofsd_clip", "ofsd_context", "ofsd_positions",
              "kl_chunk")
 
 
 def fork(src, dst, args):
     """`src` forked into `dst` as the variant of command line `args` (checkpoint.fork_run): the OFSD
     settings at their defaults, then the variant's."""
-    checkpoint.fork_run(src, dst, {**{k: evolve.DEFAULTS[k] for k in OFSD_ONLY}, **evolve.parse_overrides(args)})
+    checkpoint.fork_run(src, dst, {**{k: evolve.DEFAULTS[k] for k in OFSD_ONLY}, **configurator.parse(args, evolve.DEFAULTS, evolve.__file__, evolve.__doc__)})
 
 
 def run_all(jobs, parallel, env):

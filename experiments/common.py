@@ -66,10 +66,10 @@ def commit():
 def provenance(policy_dir, pairs_file, training, threads=None):
     """What made a row, for every row `experiments/` writes: this machine (CPU, bfloat16 / AMX flags),
     torch and its threads (this process's, or `threads` for the runs it starts), the commit, the SHA-256
-    of the policy (lora.policy_sha256) and of the pairs file, and the training settings (`training`:
+    of the policy (checkpoint.policy_sha256) and of the pairs file, and the training settings (`training`:
     rank, alpha, lr, epochs, steps, ...)."""
     return dict(machine(), torch=torch.__version__, threads=threads or torch.get_num_threads(), commit=commit(),
-                policy_sha256=lora.policy_sha256(policy_dir),
+                policy_sha256=checkpoint.policy_sha256(policy_dir),
                 pairs_sha256=file_sha256(pairs_file) if pairs_file and os.path.exists(pairs_file) else None,
                 training=training)
 
@@ -80,7 +80,7 @@ PROTOCOL = ("max_turns", "max_turn_tokens", "max_obs_tokens", "top_k", "temperat
 def policy(folder, dev, dt, checkpoint_layers=False):
     """A checkpoint or a policy folder (a base and its adapters, lora.py) in float32, sharded for
     bfloat16 compute when a process group is up (fsdp.setup), as evolve.py holds its policy."""
-    model, tok = lora.load_policy(folder, dev, torch.float32)
+    model, tok = checkpoint.load_policy(folder, dev, torch.float32)
     if dist.is_initialized():
         fsdp.shard(model, dt)
     model.checkpoint_layers = checkpoint_layers
@@ -130,3 +130,19 @@ def stats(vals):
 def cell(vals, digits=3):
     s = stats(vals)
     return "-" if s is None else f"{s[0]:.{digits}f} [{s[1]:.{min(digits, 2)}f}, {s[2]:.{min(digits, 2)}f}]"
+
+
+def distill_round(model, tok, pairs, cfg, seed, log=None):
+    """An OFSD round's distillation as evolve.ofsd_round runs it in one process: both views, a fresh
+    adapter, distil, merge; log(epoch, step, loss) after it for each step."""
+    import ofsd
+    lesson = ofsd.prepare(model, tok, pairs, cfg)
+    if not lesson.data:
+        return dict(lesson.metrics)
+    adapter = lora.attach(model, cfg.ofsd_lora_rank, cfg.ofsd_lora_alpha)
+    m = ofsd.distill(model, adapter, tok, lesson, cfg, seed)
+    for n, (epoch, loss) in enumerate(zip(m.pop("epochs"), m["losses"]), 1):
+        if log:
+            log(epoch, n, loss)
+    checkpoint.merge_adapter(model, adapter)
+    return m

@@ -29,13 +29,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import PROTOCOL, mined_pairs, policy, provenance  # noqa: E402
-from rollout import RolloutConfig  # noqa: E402
+from rollout import RolloutConfig, rollout  # noqa: E402
 from eval import read_questions  # noqa: E402
 from evolve import DEFAULTS  # noqa: E402
 import fsdp  # noqa: E402
 import ofsd  # noqa: E402
 import retriever  # noqa: E402
-import lora  # noqa: E402
+import checkpoint  # noqa: E402
 import teacher_gap  # noqa: E402
 from worlds import toyagent  # noqa: E402
 from model import Qwen2Config  # noqa: E402
@@ -75,7 +75,7 @@ def main():
         sys.exit(f"unknown contexts {sorted(set(contexts) - set(ofsd.CONTEXTS))}; known: {', '.join(ofsd.CONTEXTS)}")
     world_dir, _ = toyagent.ensure(args.world_dir, DEFAULTS["world_seed"], DEFAULTS["top_k"])
     index = retriever.load_index(os.path.join(world_dir, "index"))
-    width = Qwen2Config.from_json(os.path.join(lora.base_dir(args.checkpoint), "config.json")).hidden_size
+    width = Qwen2Config.from_json(os.path.join(checkpoint.base_dir(args.checkpoint), "config.json")).hidden_size
     _, _, dev, dt = fsdp.setup("auto", args.dtype, width)
     rollout_args = RolloutConfig(**{k: getattr(args, k) for k in PROTOCOL})
     model, tok = policy(args.checkpoint, dev, dt)
@@ -83,8 +83,8 @@ def main():
     def mine_them():
         train = read_questions(os.path.join(world_dir, "train.jsonl"))
         questions = random.Random(args.seed).sample(train, min(args.questions, len(train)))
-        return ofsd.mine_round(model, tok, index, questions, args.group_size, rollout_args,
-                               torch.Generator(device=dev).manual_seed(args.seed), "any"), {}
+        return ofsd.mine(rollout(model, tok, index, [q["question"] for q in questions], args.group_size, rollout_args,
+                                 torch.Generator(device=dev).manual_seed(args.seed)), questions, args.group_size), {}
 
     mined, _, _ = mined_pairs(args.pairs, mine_them)
     if args.out and os.path.exists(args.out):  # resumed: the contexts this pairs file already has a row for

@@ -55,8 +55,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import PROTOCOL, cell, machine, mined_pairs, policy, provenance, saved_diagnostics, stats  # noqa: E402
-from rollout import RolloutConfig  # noqa: E402
+from common import (PROTOCOL, cell, distill_round, machine, mined_pairs, policy, provenance,  # noqa: E402
+                    saved_diagnostics, stats)
+from rollout import RolloutConfig, rollout  # noqa: E402
 from eval import evaluate, read_questions, summarize  # noqa: E402
 from evolve import DEFAULTS  # noqa: E402  (the loop's settings as written)
 import fsdp  # noqa: E402
@@ -65,17 +66,16 @@ import retriever  # noqa: E402
 import teacher_gap  # noqa: E402
 from worlds import toyagent  # noqa: E402
 from model import Qwen2Config  # noqa: E402
-import lora  # noqa: E402
+import checkpoint  # noqa: E402
 
 ARMS = ("none-round", "ofsd-vocab", "ofsd-position", "ofsd-none", "rft", "rft-kl")
 VIEW = ("ofsd_context", "ofsd_positions")  # what the teacher sees, where the KL counts
-ROUND = ("lora_rank", "lora_alpha", "lora_lr", "lora_epochs", "ofsd_micro_batch", "tau_clip", "max_grad_norm", "kl_chunk")
+ROUND = ("ofsd_lora_rank", "ofsd_lora_alpha", "ofsd_lora_lr", "ofsd_epochs", "ofsd_pairs_per_step", "tau_clip", "max_grad_norm", "kl_chunk")
 
 
 def test_em(model, tok, index, test, protocol, batch):
     """(the summary by type, each test question's EM in order: what a paired rule compares), greedy."""
-    with fsdp.gathered(model):
-        results = evaluate(model, tok, index, test, protocol, batch)
+    results = evaluate(model, tok, index, test, protocol, batch)
     return summarize(results, "type"), [r["em"] for r in results]
 
 
@@ -216,7 +216,7 @@ def main():
     index = retriever.load_index(os.path.join(world_dir, "index"))
     train = read_questions(os.path.join(world_dir, "train.jsonl"))
     test = read_questions(os.path.join(world_dir, "test.jsonl"), args.test)
-    width = Qwen2Config.from_json(os.path.join(lora.base_dir(args.checkpoint), "config.json")).hidden_size
+    width = Qwen2Config.from_json(os.path.join(checkpoint.base_dir(args.checkpoint), "config.json")).hidden_size
     _, _, dev, dt = fsdp.setup("auto", args.dtype, width)
     rollout_args = RolloutConfig(**{k: getattr(args, k) for k in PROTOCOL})
     round_args = {k: getattr(args, k) for k in ROUND + VIEW}
@@ -235,8 +235,8 @@ def main():
         def mine_them():
             model, tok = policy(args.checkpoint, dev, dt)
             questions = random.Random(seed).sample(train, min(args.questions, len(train)))
-            mined = ofsd.mine_round(model, tok, index, questions, args.group_size, rollout_args,
-                                    torch.Generator(device=dev).manual_seed(seed), "any")
+            mined = ofsd.mine(rollout(model, tok, index, [q["question"] for q in questions], args.group_size, rollout_args,
+                                      torch.Generator(device=dev).manual_seed(seed)), questions, args.group_size)
             before = teacher_gap.before_round(model, tok, index, mined, rollout_args, args.kl_chunk, context)
             return mined, dict(before, context=context, machine=machine())
 
@@ -264,8 +264,10 @@ def main():
                 f"seed {seed} | {arm} | epoch {epoch} | step {n:4d} | loss {loss:.5f} | {time.time() - t1:.0f}s", flush=True)
             if arm != "none-round":  # rft: tau_ref's NLL (ofsd_loss nll); rft-kl: plus the plain KL (nll_kl)
                 loss, clip = dict(rft=("nll", "none"), **{"rft-kl": ("nll_kl", "none")}).get(arm, ("kl", arm[5:]))
-                cfg = ofsd.OFSDConfig(ofsd_loss=loss, ofsd_kl_weight=args.kl_weight, ofsd_clip=clip, **round_args)
-                m = ofsd.distill(model, tok, mined, cfg, seed, log=log)
+                cfg = ofsd.OFSDConfig(ofsd_questions=args.questions, group_size=args.group_size, ofsd_students="any",
+                                      ofsd_loss=loss, ofsd_kl_weight=args.kl_weight, ofsd_clip=clip,
+                                      rollout=rollout_args, **round_args)
+                m = distill_round(model, tok, mined, cfg, seed, log=log)
             else:
                 m = {}
             if arm != "none-round" and mined:

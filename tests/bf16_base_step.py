@@ -36,6 +36,7 @@ def step(policy, vocab):
         trajs.append(t)
     opt = torch.optim.AdamW(adapter, lr=1e-3, weight_decay=0.0)
     m = grpo.grpo_step(policy, None, opt, trajs, [1.0, -0.5, -0.5], settings(grpo.GRPOConfig, micro_batch=2), 0)
+    m.pop("sums")  # (5,) token sums: what evolve.py sums over ranks
     return m, [p.grad.clone() for p in adapter]
 
 

@@ -26,6 +26,22 @@ def settings(cls, **overrides):
     return configurator.group(cls, evolve.DEFAULTS, **overrides)
 
 
+def distill_round(model, tokenizer, pairs, cfg, seed=0):
+    """An OFSD round's distillation as evolve.ofsd_round runs it in one process: both views, a fresh
+    adapter, distil, merge (checkpoint.merge_adapter). The metrics, without the steps' epochs."""
+    import checkpoint
+    import lora
+    import ofsd
+    lesson = ofsd.prepare(model, tokenizer, pairs, cfg)
+    if not lesson.data:
+        return dict(lesson.metrics)
+    adapter = lora.attach(model, cfg.ofsd_lora_rank, cfg.ofsd_lora_alpha)
+    m = ofsd.distill(model, adapter, tokenizer, lesson, cfg, seed)
+    m.pop("epochs")
+    checkpoint.merge_adapter(model, adapter)
+    return m
+
+
 def tiny_texts(n=400, seed=0):
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(len(WORDS), (n, 12), generator=g).tolist()
@@ -126,7 +142,7 @@ def micro(tmp_path_factory, agent, tokenizer, search_index):
     return [f"--model_dir={d / 'model'}", f"--index_dir={index_dir}", f"--train_file={d / 'train.jsonl'}",
             f"--test_file={d / 'test.jsonl'}", "--grpo_steps=2", "--questions_per_step=2", "--ppo_mini_batch=2", "--group_size=3",
             "--ofsd_questions=3", "--max_turns=2", "--max_turn_tokens=24", "--max_obs_tokens=64",
-            "--micro_batch=3", "--lr=1e-4", "--lora_epochs=1", "--ofsd_micro_batch=2", "--temperature=1.2"]
+            "--micro_batch=3", "--lr=1e-4", "--ofsd_epochs=1", "--ofsd_pairs_per_step=2", "--temperature=1.2"]
 
 
 # wikiworld.py's two data packages (requirements-real.txt), installed or not

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import checkpoint  # noqa: E402
 import fsdp  # noqa: E402
 import grpo  # noqa: E402
 from model import load  # noqa: E402
@@ -73,6 +74,25 @@ def plain_step(model, dtype, trajs, advantages, pad_id):
                 logp=logp.detach(), entropy=entropy.detach(), adv=adv)
 
 
+def step(policy, kl_model, optimizer, trajs, advantages, cfg, pad_id):
+    """grpo.grpo_step as evolve.grpo_round runs it: the token mean's count and the reported sums over every rank."""
+    n = fsdp.all_sum(torch.tensor(float(sum(sum(t.loss_mask) for t in trajs))))
+    m = grpo.grpo_step(policy, kl_model, optimizer, trajs, advantages, cfg, pad_id, n)
+    means = fsdp.all_sum(m.pop("sums")) / n
+    return dict(m, loss=means[0].item(), pg=means[1].item(), kl=means[2].item(), clip_frac=means[3].item(),
+                entropy=means[4].item())
+
+
+def distill(policy, tokenizer, pairs, cfg):
+    """An OFSD round's distillation as evolve.ofsd_round runs it: rank 0's fresh adapter on every rank, merged."""
+    lesson = ofsd.prepare(policy, tokenizer, pairs, cfg)
+    adapter = lora.attach(policy, cfg.ofsd_lora_rank, cfg.ofsd_lora_alpha)
+    fsdp.replicate(adapter)
+    m = ofsd.distill(policy, adapter, tokenizer, lesson, cfg, 0)
+    checkpoint.merge_adapter(policy, adapter)
+    return m
+
+
 def main():
     model_dir, out, mode = sys.argv[1], sys.argv[2], (sys.argv[3] if len(sys.argv) > 3 else "float32")
     shift = float(sys.argv[4]) if len(sys.argv) > 4 else 0.3
@@ -101,7 +121,7 @@ def main():
                         temperature=1.0, max_grad_norm=1.0)
     policy.train()
     for _ in range(3):
-        steps.append(grpo.grpo_step(policy, reference, optimizer, [trajs[i] for i in mine], [adv[i] for i in mine],
+        steps.append(step(policy, reference, optimizer, [trajs[i] for i in mine], [adv[i] for i in mine],
                                     step_cfg, tokenizer.pad_id))
         weights.append(fsdp.full_state_dict(policy))
     policy.eval()
@@ -110,22 +130,23 @@ def main():
     pairs = [ofsd.Pair(trajs[g * G], trajs[g * G + 1], True) for g in range(len(QUESTIONS))]
     rounds, after_ofsd = {}, {}
     for clip in CLIPS:  # one round per clip mode, one after the other (each merges into the policy)
-        cfg = settings(ofsd.OFSDConfig, ofsd_loss="kl", ofsd_kl_weight=1.0, lora_rank=4, lora_alpha=8, lora_lr=1e-2,
-                       lora_epochs=2, ofsd_micro_batch=2, tau_clip=0.05, ofsd_clip=clip, ofsd_context="full",
+        cfg = settings(ofsd.OFSDConfig, ofsd_loss="kl", ofsd_kl_weight=1.0, ofsd_lora_rank=4, ofsd_lora_alpha=8, ofsd_lora_lr=1e-2,
+                       ofsd_epochs=2, ofsd_pairs_per_step=2, tau_clip=0.05, ofsd_clip=clip, ofsd_context="full",
                        ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=7)
-        rounds[clip] = ofsd.distill(policy, tokenizer, pairs, cfg, seed=0)
+        rounds[clip] = distill(policy, tokenizer, pairs, cfg)
         after_ofsd[clip] = fsdp.full_state_dict(policy)
-    # GRPO through LoRA (evolve.py's KLModel): an adapter replicated on every rank, its gradient summed
+    # GRPO through LoRA (evolve.grpo_adapter): an adapter replicated on every rank, its gradient summed
     # over the ranks, the KL term's model the policy with the adapter off; two steps
     adapter = lora.attach(policy, 4, 8)
+    fsdp.replicate(adapter)
     fsdp.sum_grads(adapter)
     with torch.no_grad():  # B = 0 at attach: move it, so that the KL term and the adapter's A gradient are not 0
         for p in adapter[1::2]:
             p.copy_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     lora_opt = torch.optim.AdamW(adapter, lr=1e-3, weight_decay=0.0)
     policy.train()
-    lora_steps = [grpo.grpo_step(policy, None, lora_opt, [trajs[i] for i in mine], [adv[i] for i in mine], step_cfg,
-                                 tokenizer.pad_id) for _ in range(2)]
+    lora_steps = [step(policy, None, lora_opt, [trajs[i] for i in mine], [adv[i] for i in mine], step_cfg,
+                       tokenizer.pad_id) for _ in range(2)]
     policy.eval()
     lora_adapter = [p.detach().clone() for p in adapter]
     if rank == 0:

@@ -60,13 +60,13 @@ def test_eval_uses_the_auto_dtype(monkeypatch, tiny_checkpoint, search_index, tm
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(fsdp, "cpu_has_native_bf16", lambda: True)
     monkeypatch.setattr(fsdp, "BF16_MIN_HIDDEN", 64)  # the tiny checkpoint's width counts as real here
-    loaded, real_load = [], evaluation.lora.load_policy
+    loaded, real_load = [], evaluation.load_policy
 
     def load(path, device, dtype):
         loaded.append((device, dtype))
         return real_load(path, device, dtype)
 
-    monkeypatch.setattr(evaluation.lora, "load_policy", load)
+    monkeypatch.setattr(evaluation, "load_policy", load)
     data = tmp_path / "q.jsonl"
     data.write_text('{"question": "which river flows through Paris", "golden_answers": ["Seine"]}\n')
     index_dir = search_index.doc_offsets.filename.rsplit("/", 1)[0]

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import checkpoint
+from evolve import grpo_round
 import fsdp
 import grpo
 import lora
@@ -77,16 +78,16 @@ def test_base_and_chain_reloaded_give_the_policy(agent, tokenizer, search_index,
     base = str(tmp_path / "base")
     save(agent, tokenizer, base)
     policy, adapter, trajs = lora_step(agent, tokenizer, search_index)
-    lora.merge_trained(policy, adapter, str(tmp_path / "a" / "01-grpo"))
+    checkpoint.merge_adapter(policy, adapter, str(tmp_path / "a" / "01-grpo"))
     second = lora.attach(policy, 2, 4)
     with torch.no_grad():
         for p in second:
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
-    lora.merge_trained(policy, second, str(tmp_path / "a" / "02-ofsd"))
+    checkpoint.merge_adapter(policy, second, str(tmp_path / "a" / "02-ofsd"))
     chain = dict(base=base, base_sha256=None, adapters=[str(tmp_path / "a" / n) for n in ("01-grpo", "02-ofsd")])
-    lora.save_policy(str(tmp_path / "policy"), chain)
+    checkpoint.save_policy(str(tmp_path / "policy"), chain)
     assert json.load(open(tmp_path / "policy" / "policy.json"))["adapters"] == ["adapters/00-grpo", "adapters/01-ofsd"]
-    reloaded, _ = lora.load_policy(str(tmp_path / "policy"))
+    reloaded, _ = checkpoint.load_policy(str(tmp_path / "policy"))
     ids, valid, _, _ = pad_batch(trajs, 0, "cpu")
     with torch.no_grad():
         assert torch.allclose(reloaded(ids, valid=valid), policy(ids, valid=valid), atol=1e-5, rtol=0)
@@ -95,7 +96,7 @@ def test_base_and_chain_reloaded_give_the_policy(agent, tokenizer, search_index,
         agent_copy.lm_head.weight.add_(1e-3)
     save(agent_copy, tokenizer, base)
     with pytest.raises(ValueError, match="not the base it was trained from"):
-        lora.load_policy(str(tmp_path / "policy"))
+        checkpoint.load_policy(str(tmp_path / "policy"))
 
 
 def test_a_changed_adapter_or_base_is_refused_by_name(agent, tokenizer, tmp_path):
@@ -109,23 +110,23 @@ def test_a_changed_adapter_or_base_is_refused_by_name(agent, tokenizer, tmp_path
         params = lora.attach(policy, 2, 4)
         with torch.no_grad():
             params[1].add_(0.01)
-        lora.merge_trained(policy, params, str(tmp_path / "a" / name))
+        checkpoint.merge_adapter(policy, params, str(tmp_path / "a" / name))
     chain = dict(base=base, base_sha256=None, adapters=[str(tmp_path / "a" / n) for n in ("01-grpo", "02-ofsd")])
-    lora.save_policy(str(tmp_path / "policy"), chain)
-    lora.load_policy(str(tmp_path / "policy"))
+    checkpoint.save_policy(str(tmp_path / "policy"), chain)
+    checkpoint.load_policy(str(tmp_path / "policy"))
     weights = tmp_path / "policy" / "adapters" / "01-ofsd" / "adapter_model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
     weights.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="adapter .*01-ofsd is not the one it was trained with"):
-        lora.load_policy(str(tmp_path / "policy"))
-    lora.save_policy(str(tmp_path / "bare"), dict(chain, adapters=[]))
+        checkpoint.load_policy(str(tmp_path / "policy"))
+    checkpoint.save_policy(str(tmp_path / "bare"), dict(chain, adapters=[]))
     with torch.no_grad():
         agent_copy = copy.deepcopy(agent)
         agent_copy.lm_head.weight.add_(1e-3)
     save(agent_copy, tokenizer, base)
     with pytest.raises(ValueError, match="not the base it was trained from"):
-        lora.load_policy(str(tmp_path / "bare"))
+        checkpoint.load_policy(str(tmp_path / "bare"))
 
 
 def evolve(args):
@@ -251,7 +252,7 @@ def test_lora_rounds_keep_no_tensor_alive(agent, tokenizer, search_index, tmp_pa
     for r in range(3):
         adapter = lora.attach(policy, 4, 8)
         opt = torch.optim.AdamW(adapter, lr=1e-2, weight_decay=0.0)
-        grpo.grpo_round(policy, None, opt, tokenizer, search_index, lambda: [question] * 2, cfg, gen, r, log=lambda m: None)
+        list(grpo_round(policy, None, opt, tokenizer, search_index, [[question] * 2], cfg, gen, r))
         run.merge(policy, adapter, f"{r:02d}-grpo")
         del adapter, opt
         live.append(live_tensors())

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from generate import compile_missing, decode, draw, extend, generate, new_cache
+from generate import Turns, compile_missing, decode, draw, extend, generate, new_cache
 
 from model import load, save
 from conftest import random_model, tiny_config
@@ -192,8 +192,9 @@ def test_engine_rows_equal_each_row_alone(tiny_checkpoint, tokenizer):
                 turns.setdefault(i, []).append((toks, [round(x, 4) for x in lps], why))
                 nxt[i] = [7, 8, 9] if len(turns[i]) == 1 else None  # a chunk after the first turn, then stop
             return nxt
-        decode(model, tokenizer, ps, G, turn_end, max_len=max(map(len, ps)) + 2 * 21 + 3, max_turn_tokens=20,
-               temperature=1.0, top_p=0.9, uniforms=uniforms, rows=rows, stop_ids=range(0, 400, 9))
+        decode(model, tokenizer, ps, G, turn_end, Turns(max_len=max(map(len, ps)) + 2 * 21 + 3, max_turn_tokens=20,
+                                                        temperature=1.0, top_p=0.9, rows=rows,
+                                                        stop_ids=range(0, 400, 9)), uniforms)
         return turns
     together = run(prompts, 2, u, 4)
     assert len({len(t[0][0]) for t in together.values()}) > 2  # turns of different lengths: rows out of step
@@ -294,9 +295,9 @@ def test_compiled_decoding_step_gives_the_eager_tokens(tiny_checkpoint, tokenize
             for i, toks, lps, why in ended:
                 turns.setdefault(i, []).append((toks, lps, why))
             return {i: [7, 8, 9] if len(turns[i]) == 1 else None for i, *_ in ended}
-        decode(model, tokenizer, prompts, 2, turn_end, max_len=max(map(len, prompts)) + 2 * 31 + 3,
-               max_turn_tokens=30, temperature=1.0, top_p=1.0, uniforms=u, stop_ids=range(0, 400, 11),
-               compile=compile)
+        decode(model, tokenizer, prompts, 2, turn_end, Turns(max_len=max(map(len, prompts)) + 2 * 31 + 3,
+                                                             max_turn_tokens=30, temperature=1.0,
+                                                             stop_ids=range(0, 400, 11), compile=compile), u)
         return turns
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()

@@ -12,7 +12,7 @@ import ofsd
 import rollout
 from rollout import RolloutConfig
 import teacher_gap
-from conftest import AGENT_QUESTION, random_model, tiny_config
+from conftest import AGENT_QUESTION, random_model, tiny_config, distill_round
 from test_rollout import run
 from ofsd import OFSDConfig
 from conftest import settings
@@ -118,22 +118,22 @@ def test_round_lowers_kl_and_merges(agent, tokenizer, search_index):
                 generator=torch.Generator().manual_seed(0))
     pairs = [ofsd.Pair(trajs[0], trajs[1], True), ofsd.Pair(trajs[3], trajs[5], False)]
     seen = {}
-    original = ofsd.lora.merge
+    original = lora.merge
 
-    def spy_merge(m):
+    def spy_merge(m, part=None):
         ids = torch.tensor([trajs[1].tokens])
         with torch.no_grad():
             seen["adapted"] = m(ids)
-        original(m)
+        original(m, part)
         with torch.no_grad():
             seen["merged"] = m(ids)
         return m
 
-    ofsd.lora.merge = spy_merge
+    lora.merge = spy_merge
     try:
-        out = ofsd.distill(model, tokenizer, pairs, settings(OFSDConfig, ofsd_loss="kl", ofsd_kl_weight=1.0, lora_rank=4, lora_alpha=8, lora_lr=5e-3, lora_epochs=8, ofsd_micro_batch=2, tau_clip=1.0, ofsd_clip="vocab", ofsd_context="full", ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=256), seed=0)
+        out = distill_round(model, tokenizer, pairs, settings(OFSDConfig, ofsd_loss="kl", ofsd_kl_weight=1.0, ofsd_lora_rank=4, ofsd_lora_alpha=8, ofsd_lora_lr=5e-3, ofsd_epochs=8, ofsd_pairs_per_step=2, tau_clip=1.0, ofsd_clip="vocab", ofsd_context="full", ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=256), seed=0)
     finally:
-        ofsd.lora.merge = original
+        lora.merge = original
     assert out["pairs"] == 2 and out["incorrect_students"] == 1
     assert out["loss_after"] < out["loss_before"]
     assert (seen["merged"] - seen["adapted"]).abs().max() <= 1e-4  # float32, 400+ positions
@@ -186,9 +186,10 @@ def test_round_reports_its_diagnostics(agent, tokenizer, search_index):
     questions = [{"question": AGENT_QUESTION, "golden_answers": ["Paris"]},
                  {"question": "which lake is near London", "golden_answers": ["Paris"]}]
     args = RolloutConfig(max_turns=2, max_turn_tokens=40, max_obs_tokens=400, top_k=3, temperature=1.0, top_p=1.0)
-    pairs = ofsd.mine_round(model, tokenizer, search_index, questions, 4, args, torch.Generator().manual_seed(0), "any")
+    pairs = ofsd.mine_round(model, tokenizer, search_index, questions, settings(OFSDConfig, group_size=4, rollout=args),
+                            torch.Generator().manual_seed(0))
     gap = teacher_gap.before_round(model, tokenizer, search_index, pairs, args, 64, "full")
-    m = ofsd.distill(model, tokenizer, pairs, settings(OFSDConfig, ofsd_loss="kl", ofsd_kl_weight=1.0, lora_rank=4, lora_alpha=8, lora_lr=1e-3, lora_epochs=1, ofsd_micro_batch=2, tau_clip=0.05, ofsd_clip="vocab", ofsd_context="full", ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=64), seed=0)
+    m = distill_round(model, tokenizer, pairs, settings(OFSDConfig, ofsd_loss="kl", ofsd_kl_weight=1.0, ofsd_lora_rank=4, ofsd_lora_alpha=8, ofsd_lora_lr=1e-3, ofsd_epochs=1, ofsd_pairs_per_step=2, tau_clip=0.05, ofsd_clip="vocab", ofsd_context="full", ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=64), seed=0)
     m.update(gap, **teacher_gap.after_round(model, tokenizer, search_index, pairs, args))
     assert m["pairs"] >= 1
     for key in ("teacher_em", "student_em", "mined_em_before", "mined_em_after", "disagree"):
@@ -230,8 +231,9 @@ def test_round_with_incorrect_students_only(agent, tokenizer, search_index):
     counts = {}
     for students in ("any", "incorrect"):
         cfg = RolloutConfig(max_turns=2, max_turn_tokens=40, max_obs_tokens=400, top_k=3, temperature=0.5, top_p=1.0)
-        pairs = ofsd.mine_round(agent, tokenizer, search_index, questions, 4, cfg, torch.Generator().manual_seed(1),
-                                students)
+        pairs = ofsd.mine_round(agent, tokenizer, search_index, questions,
+                                settings(OFSDConfig, group_size=4, rollout=cfg, ofsd_students=students),
+                                torch.Generator().manual_seed(1))
         counts[students] = (len(pairs), sum(p.incorrect for p in pairs))
     assert counts["incorrect"] == (counts["any"][1], counts["any"][1])
     assert counts["any"][0] > counts["any"][1]  # the fixture mines correct students too
@@ -287,7 +289,7 @@ def test_pair_stats_report_the_true_kl(agent, tokenizer, search_index, clip):
     per pair then mean (what an OFSD round reports as loss / clip_frac before and after)."""
     base, model, data = adapted_pairs(agent, tokenizer, search_index)
     got = ofsd.pair_stats(model, list(zip(data, ofsd.teacher_states(model, data, 2))), 0.05, clip,
-                          ofsd_micro_batch=2, kl_chunk=5)
+                          ofsd_pairs_per_step=2, kl_chunk=5)
     ref = reference_positions(base, model, data, 0.05, clip)
     for key, want in (("loss", sum(r[0].mean() for r in ref) / 2), ("kl_true", sum(r[1].mean() for r in ref) / 2),
                       ("clip_frac", sum(r[3].double().mean() for r in ref) / 2), ("p_top", sum(r[2].mean() for r in ref) / 2)):
@@ -314,7 +316,7 @@ def test_nll_loss_fits_tau_ref_and_merges(agent, tokenizer, search_index):
     with torch.no_grad():
         assert abs(ofsd.tau_ref_nll(model, refs, 0).item() - want) <= 1e-5
     torch.manual_seed(0)
-    m = ofsd.distill(model, tokenizer, pairs, settings(OFSDConfig, ofsd_loss="nll", ofsd_kl_weight=0.0, lora_rank=4, lora_alpha=8, lora_lr=1e-2, lora_epochs=3, ofsd_micro_batch=1, tau_clip=0.0, ofsd_clip="none", ofsd_context="full", ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=5), seed=0)
+    m = distill_round(model, tokenizer, pairs, settings(OFSDConfig, ofsd_loss="nll", ofsd_kl_weight=0.0, ofsd_lora_rank=4, ofsd_lora_alpha=8, ofsd_lora_lr=1e-2, ofsd_epochs=3, ofsd_pairs_per_step=1, tau_clip=0.0, ofsd_clip="none", ofsd_context="full", ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=5), seed=0)
     assert abs(m["nll_before"] - want) <= 1e-5 and m["nll_after"] < m["nll_before"] and len(m["losses"]) == 6
     with torch.no_grad():  # the first step's loss: one pair's NLL (a pair a step), the adapter still zero
         assert min(abs(m["losses"][0] - ofsd.tau_ref_nll(agent, [p.ref], 0).item()) for p in pairs) <= 1e-5

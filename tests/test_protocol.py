@@ -8,11 +8,12 @@ import os
 import pytest
 import torch
 
+import evolve
 import grpo
 from model import load
 from tokenizer import Tokenizer
 from rollout import INVALID, make_prompt, rollout
-from conftest import AGENT_QUESTION, needs_wiki_packages, random_model, tiny_config
+from conftest import AGENT_QUESTION, needs_wiki_packages, random_model, tiny_config, distill_round
 from test_rollout import run
 from ofsd import OFSDConfig
 from grpo import GRPOConfig
@@ -142,8 +143,8 @@ def test_second_mini_batch_sees_a_moved_policy(agent, tokenizer, search_index):
     cfg = settings(GRPOConfig, grpo_steps=1, questions_per_step=2, ppo_mini_batch=1, group_size=3, micro_batch=8,
                    lr=0.5, warmup_steps=1, clip_ratio=1e-4, kl_coef=0.0, entropy_coef=0.1, max_grad_norm=100.0,
                    max_turns=2, max_turn_tokens=24, max_obs_tokens=64, top_k=3, temperature=1.0, top_p=1.0)
-    (m,) = grpo.grpo_round(policy, agent, opt, tokenizer, search_index, lambda: questions, cfg,
-                           torch.Generator().manual_seed(0), 0, lambda m: None)
+    (m,) = evolve.grpo_round(policy, agent, opt, tokenizer, search_index, [questions], cfg,
+                             torch.Generator().manual_seed(0), 0)
     first, second = m["updates"]
     assert first["clip_frac"] == 0.0 and second["clip_frac"] > 0.0
     assert m["tokens"] == first["tokens"] + second["tokens"]
@@ -192,8 +193,8 @@ def test_real_checkpoint_runs_the_whole_loop(tmp_path):
                         f"--train_file={world}/test.jsonl", f"--test_file={world}/test.jsonl", "--test_limit=2",
                         "--iterations=1", "--grpo_steps=1", "--questions_per_step=2", "--ppo_mini_batch=2",
                         "--group_size=2", "--ofsd_questions=2", "--max_turns=2", "--max_turn_tokens=48",
-                        "--max_obs_tokens=96", "--micro_batch=1", "--lr=1e-6", "--lora_epochs=1",
-                        "--ofsd_micro_batch=1", f"--out_dir={out}"],
+                        "--max_obs_tokens=96", "--micro_batch=1", "--lr=1e-6", "--ofsd_epochs=1",
+                        "--ofsd_pairs_per_step=1", f"--out_dir={out}"],
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     print(p.stdout[-2500:])
@@ -212,6 +213,6 @@ def test_real_checkpoint_ofsd_lowers_the_pair_kl(search_index):
     import ofsd
     model, tok = load(REAL)
     trajs = rollout(model, tok, search_index, ["Who wrote Hamlet?"], 2, RolloutConfig(max_turns=1, max_turn_tokens=32, max_obs_tokens=64, top_k=2, temperature=1.0, top_p=1.0), generator=torch.Generator().manual_seed(0))
-    m = ofsd.distill(model, tok, [ofsd.Pair(trajs[0], trajs[1], True)], settings(OFSDConfig, ofsd_loss="kl", ofsd_kl_weight=1.0, lora_rank=8, lora_alpha=16, lora_lr=1e-3, lora_epochs=3, ofsd_micro_batch=1, tau_clip=0.05, ofsd_clip="vocab", ofsd_context="full", ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=64), seed=0)
+    m = distill_round(model, tok, [ofsd.Pair(trajs[0], trajs[1], True)], settings(OFSDConfig, ofsd_loss="kl", ofsd_kl_weight=1.0, ofsd_lora_rank=8, ofsd_lora_alpha=16, ofsd_lora_lr=1e-3, ofsd_epochs=3, ofsd_pairs_per_step=1, tau_clip=0.05, ofsd_clip="vocab", ofsd_context="full", ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=64), seed=0)
     print(m)
     assert m["loss_after"] < m["loss_before"] and not any("lora" in n for n, _ in model.named_parameters())

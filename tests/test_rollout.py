@@ -179,8 +179,8 @@ def test_a_stop_id_uses_up_its_uniform(tokenizer):
         (i, toks, _, why), = ended
         turns.append((list(toks), why))
         return {i: None if len(turns) == 5 else feed}
-    generate.decode(model, tokenizer, [prompt], 1, turn_end, max_len=200, max_turn_tokens=6, temperature=1.0,
-                    top_p=1.0, uniforms=u, stop_ids=stops)
+    generate.decode(model, tokenizer, [prompt], 1, turn_end,
+                    generate.Turns(max_len=200, max_turn_tokens=6, temperature=1.0, stop_ids=stops), u)
     assert sum(why == "stop_id" for _, why in turns) >= 2
     ctx, k = list(prompt), 0
     with torch.no_grad():
@@ -201,4 +201,4 @@ def test_a_full_kv_cache_is_refused(tokenizer):
     prompt = tokenizer.encode(tokenizer.chat_prompt("which river"))
     with pytest.raises(ValueError, match="KV cache full"):
         generate.decode(model, tokenizer, [prompt], 1, lambda ended: {i: None for i, *_ in ended},
-                        max_len=len(prompt) + 2, max_turn_tokens=8, temperature=0.0, top_p=1.0, stop_ids=())
+                        generate.Turns(max_len=len(prompt) + 2, max_turn_tokens=8, stop_ids=()))

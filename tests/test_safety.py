@@ -19,8 +19,7 @@ from conftest import random_model, tiny_config
 from test_evolve import ROOT, evolve
 
 sys.path.insert(0, ROOT)
-from configurator import check_context, check_evolve  # noqa: E402
-from evolve import DEFAULTS  # noqa: E402
+from evolve import DEFAULTS, check_context, settings_groups  # noqa: E402
 
 
 def good_config(**changes):
@@ -106,13 +105,13 @@ def test_metrics_are_cut_back_to_the_checkpoint():
 def test_bad_setting_is_named(change, named):
     """Each out-of-range setting is refused before anything is written, naming key and range."""
     with pytest.raises(SystemExit, match=None) as e:
-        check_evolve(good_config(**change))
+        settings_groups(good_config(**change))
     assert named in str(e.value)
 
 
 def test_defaults_pass_the_checks():
-    """The shipped configuration passes check_evolve."""
-    check_evolve(good_config())
+    """The shipped configuration passes every group's checks."""
+    settings_groups(good_config())
 
 
 def test_trajectory_longer_than_the_context_is_refused(micro, tmp_path):
@@ -131,10 +130,10 @@ def test_context_check_counts_what_the_cache_holds(tokenizer):
     prompt = len(tokenizer.encode(tokenizer.chat_prompt(make_prompt(question))))
     need = prompt + max_response_tokens(tokenizer, RolloutConfig(**turns, top_k=3))
     assert need > prompt + 4 * 11 + 3 * 1  # the message (not the 1-token cap) bounds each turn's injected text
-    cfg = good_config(ofsd_rounds=False, **turns)
-    check_context(cfg, tiny_config(max_position_embeddings=need), tokenizer, question)  # fits exactly
+    sampling = RolloutConfig(**turns, top_k=3)
+    check_context(need, tokenizer, [{"question": question}], sampling, 5, None)  # fits exactly
     with pytest.raises(SystemExit, match="over the model's context of"):
-        check_context(cfg, tiny_config(max_position_embeddings=need - 1), tokenizer, question)
+        check_context(need - 1, tokenizer, [{"question": question}], sampling, 5, None)
 
 
 def test_empty_train_file_fails_before_out_dir(micro, tmp_path):

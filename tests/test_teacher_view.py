@@ -10,9 +10,9 @@ import torch
 
 import lora
 import ofsd
-from configurator import max_context_tokens
+from ofsd import max_context_tokens
 from clipped_kl import CLIPS
-from conftest import AGENT_QUESTION
+from conftest import AGENT_QUESTION, distill_round
 from test_evolve import evolve
 from test_rollout import run
 from ofsd import OFSDConfig
@@ -175,7 +175,7 @@ def test_nll_kl_loss_adds_the_weighted_kl_to_the_nll(agent, tokenizer, group):
     items = list(zip(data, ofsd.teacher_states(model, data, 1)))
     with torch.no_grad():
         want = ofsd.tau_ref_nll(model, [pair.ref], 0).item() + 0.5 * ofsd.pair_loss(model, items, 0.0, "none", 7).item()
-    m = ofsd.distill(model, tokenizer, [pair], settings(OFSDConfig, ofsd_loss="nll_kl", ofsd_kl_weight=0.5, lora_rank=4, lora_alpha=8, lora_lr=1e-3, lora_epochs=1, ofsd_micro_batch=1, tau_clip=0.0, ofsd_clip="none", ofsd_context="queries", ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=7), seed=0)
+    m = distill_round(model, tokenizer, [pair], settings(OFSDConfig, ofsd_loss="nll_kl", ofsd_kl_weight=0.5, ofsd_lora_rank=4, ofsd_lora_alpha=8, ofsd_lora_lr=1e-3, ofsd_epochs=1, ofsd_pairs_per_step=1, tau_clip=0.0, ofsd_clip="none", ofsd_context="queries", ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=7), seed=0)
     assert abs(m["losses"][0] - want) <= 1e-5 * max(1.0, want)
 
 
@@ -211,5 +211,5 @@ def test_nll_at_query_positions_keeps_students_that_never_searched(agent, tokeni
     stu = hand_trajectory(tokenizer, [("<think> sure </think>\n<answer> Paris </answer>", True)])
     assert not ofsd.query_positions(tokenizer, stu)
     pair = ofsd.Pair(searcher(group), stu, True, golds=("Paris",))
-    m = ofsd.distill(copy.deepcopy(agent), tokenizer, [pair], settings(OFSDConfig, ofsd_loss="nll", ofsd_kl_weight=0.0, lora_rank=4, lora_alpha=8, lora_lr=1e-3, lora_epochs=1, ofsd_micro_batch=1, tau_clip=0.05, ofsd_clip="vocab", ofsd_context="queries", ofsd_positions="queries", max_grad_norm=1.0, kl_chunk=7), seed=0)
+    m = distill_round(copy.deepcopy(agent), tokenizer, [pair], settings(OFSDConfig, ofsd_loss="nll", ofsd_kl_weight=0.0, ofsd_lora_rank=4, ofsd_lora_alpha=8, ofsd_lora_lr=1e-3, ofsd_epochs=1, ofsd_pairs_per_step=1, tau_clip=0.05, ofsd_clip="vocab", ofsd_context="queries", ofsd_positions="queries", max_grad_norm=1.0, kl_chunk=7), seed=0)
     assert len(m["losses"]) == 1

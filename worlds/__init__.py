@@ -6,7 +6,7 @@ import os
 
 from checkpoint import barrier
 from eval import read_questions
-from lora import base_dir
+from checkpoint import base_dir
 from retriever import load_index
 from tokenizer import Tokenizer
 
