@@ -143,14 +143,19 @@ def grpo_step(model, kl_model, optimizer, trajs, advantages, cfg, pad_id, n_toke
                 entropy=means[4].item(), grad_norm=grad_norm.item(), tokens=int(n_tokens.item()), sums=sums)
 
 
+def learning_rate(cfg, step):
+    """The learning rate at the run's step `step` (from 1): linear warm-up over cfg.warmup_steps (0: none)."""
+    lr = cfg.grpo_lora_lr if cfg.grpo_lora_rank else cfg.lr
+    return lr * min(1.0, step / cfg.warmup_steps) if cfg.warmup_steps else lr
+
+
 def update(policy, kl_model, optimizer, batch, n_tokens, cfg, step, pad_id):
     """A step's cfg.ppo_updates AdamW updates on `batch`, update u a token mean over n_tokens[u] (its
     policy tokens on every rank), the learning rate warmed up over the run's first cfg.warmup_steps.
     Returns the updates' gradient norms and this rank's sums: the loss terms of each update
     ((ppo_updates, 5) float64) and of the rollouts (reward, searches, trajectories: (3,))."""
-    lr = cfg.grpo_lora_lr if cfg.grpo_lora_rank else cfg.lr
     for g in optimizer.param_groups:
-        g["lr"] = lr * min(1.0, step / cfg.warmup_steps) if cfg.warmup_steps else lr
+        g["lr"] = learning_rate(cfg, step)
     done = [grpo_step(policy, kl_model, optimizer, [batch.trajs[i] for i in part], [batch.advantages[i] for i in part],
                       cfg, pad_id, n) for part, n in zip(batch.parts, n_tokens)]
     rollout_sums = torch.tensor([sum(batch.rewards), sum(t.n_search for t in batch.trajs), len(batch.trajs)])

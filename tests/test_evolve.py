@@ -1,5 +1,6 @@
 """evolve.py end to end on a micro configuration: files, resume, overrides (two ranks: test_fsdp.py)."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -160,6 +161,27 @@ def test_overrides_parse_types():
     assert isinstance(o["lr"], float)
     with pytest.raises(SystemExit, match="--grpo_steps=1.5: expected int"):
         parse_overrides(["--grpo_steps=1.5"])
+
+
+def test_a_renamed_setting_is_refused_with_its_new_name():
+    """OFSD's old LoRA keys (--lora_rank, ...) and --ofsd_micro_batch are refused, each naming its new key."""
+    sys.path.insert(0, ROOT)
+    import configurator
+    import evolve
+    for old, new in evolve.RENAMED.items():
+        with pytest.raises(SystemExit, match=f"--{old} is now --{new}"):
+            configurator.parse([f"--{old}=1"], evolve.DEFAULTS, evolve.__file__, evolve.__doc__, evolve.RENAMED)
+        assert new in evolve.DEFAULTS and old not in evolve.DEFAULTS
+
+
+def test_no_warmup_is_zero_warmup_steps():
+    """--warmup_steps=0 passes the GRPO group's check and means the full learning rate from the first step."""
+    sys.path.insert(0, ROOT)
+    import evolve
+    import grpo
+    _, cfg, _ = evolve.settings_groups(dict(evolve.DEFAULTS, warmup_steps=0))
+    assert cfg.warmup_steps == 0 and grpo.learning_rate(cfg, 1) == cfg.lr
+    assert grpo.learning_rate(dataclasses.replace(cfg, warmup_steps=4), 1) == cfg.lr / 4
 
 
 def test_overrides_expand_home_in_paths():
