@@ -150,6 +150,7 @@ def shard(model, compute_dtype):
     for m in _units(model):
         m.set_gradient_divide_factor(1.0)  # sum over ranks: the loss is already a global token mean
         m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
+    model.compute_dtype = lambda: compute_dtype  # what a KV cache holds: the gathered weights' dtype
     return behind_hidden(model)
 
 

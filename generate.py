@@ -147,8 +147,7 @@ class KVCache:
 
 def new_cache(model, batch, max_len):
     """An empty cache for `batch` rows of up to `max_len` tokens, on the model's device and dtype."""
-    w = model.model.embed_tokens.weight
-    return KVCache(model.config, batch, max_len, w.device, w.dtype)
+    return KVCache(model.config, batch, max_len, model.model.embed_tokens.weight.device, model.compute_dtype())
 
 @torch.no_grad()
 def extend(model, cache, chunks, logits=None):

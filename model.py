@@ -201,6 +201,11 @@ class Qwen2(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.checkpoint_layers = False  # True: recompute each decoder layer in backward (activation memory)
 
+    def compute_dtype(self):
+        """The dtype the forward computes in (a KV cache's): the weights' (fsdp.shard installs its mixed
+        precision's, for weights held in float32 and gathered in the compute dtype)."""
+        return self.model.embed_tokens.weight.dtype
+
     @property
     def lm_head_weight(self):
         """The (V, d) output projection (the embedding matrix when tied)."""

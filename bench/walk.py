@@ -24,7 +24,8 @@ try:
 except ImportError:
     pass
 W = "cache/toyworld"
-pol = lora.load_policy(os.path.join(W, "backbone"))[0]
+load_policy = getattr(lora, "load_policy", None) or __import__("checkpoint").load_policy  # moved to checkpoint.py (#78)
+pol = load_policy(os.path.join(W, "backbone"))[0]
 tok = Tokenizer(os.path.join(W, "backbone", "tokenizer.json"))
 index = load_index(os.path.join(W, "index"))
 train = read_questions(os.path.join(W, "train.jsonl"))
@@ -55,23 +56,32 @@ def walk(fn):
 gen = torch.Generator().manual_seed(0)
 rng = random.Random(0)
 qs = lambda n: [train[rng.randrange(len(train))] for _ in range(n)]
-if hasattr(grpo, "GRPOConfig"):
+if hasattr(grpo, "explore"):  # #78: the loop's generator round; the adapter attached and merged by the loop
+    import checkpoint
     gcfg = settings(grpo.GRPOConfig, grpo_steps=1, questions_per_step=2, ppo_mini_batch=2)
     ocfg = settings(ofsd.OFSDConfig, ofsd_epochs=1)
-    g = lambda: grpo.grpo_round(pol, None if False else evolve.lora.load_policy(os.path.join(W, "backbone"))[0], torch.optim.AdamW(pol.parameters(), lr=1e-4), tok, index, lambda: qs(2), gcfg, gen, 0, log=lambda m: None)
-    sampling = settings(RolloutConfig)
+    g = lambda: list(evolve.grpo_round(pol, load_policy(os.path.join(W, "backbone"))[0], torch.optim.AdamW(pol.parameters(), lr=1e-4), tok, index, [qs(2)], gcfg, gen, 0))
+    def o():
+        lesson = ofsd.prepare(pol, tok, pairs, ocfg)
+        adapter = lora.attach(pol, ocfg.ofsd_lora_rank, ocfg.ofsd_lora_alpha)
+        ofsd.distill(pol, adapter, tok, lesson, ocfg, 0)
+        checkpoint.merge_adapter(pol, adapter)
+elif hasattr(grpo, "GRPOConfig"):
+    gcfg = settings(grpo.GRPOConfig, grpo_steps=1, questions_per_step=2, ppo_mini_batch=2)
+    ocfg = settings(ofsd.OFSDConfig, lora_epochs=1)
+    g = lambda: grpo.grpo_round(pol, load_policy(os.path.join(W, "backbone"))[0], torch.optim.AdamW(pol.parameters(), lr=1e-4), tok, index, lambda: qs(2), gcfg, gen, 0, log=lambda m: None)
     def o():
         ofsd.distill(pol, tok, pairs, ocfg, seed=0)
 else:
     E = evolve
     rollout_args = dict(max_turns=E.max_turns, max_turn_tokens=E.max_turn_tokens, max_obs_tokens=E.max_obs_tokens,
                         top_k=E.top_k, temperature=E.temperature, top_p=E.top_p)
-    g = lambda: grpo.grpo_round(pol, lora.load_policy(os.path.join(W, "backbone"))[0], torch.optim.AdamW(pol.parameters(), lr=1e-4), tok, index, lambda: qs(2),
+    g = lambda: grpo.grpo_round(pol, load_policy(os.path.join(W, "backbone"))[0], torch.optim.AdamW(pol.parameters(), lr=1e-4), tok, index, lambda: qs(2),
         steps=1, first_step=0, lr=1e-4, warmup_steps=3, group_size=5, ppo_updates=1, micro_batch=20, clip_ratio=0.2, kl_coef=0.001,
         entropy_coef=0.001, max_grad_norm=1.0, rollout_args=rollout_args, generator=gen, log=lambda m: None)
     def o():
-        ofsd.distill(pol, tok, pairs, ofsd_loss="kl", kl_weight=1.0, ofsd_lora_rank=16, ofsd_lora_alpha=32, ofsd_lora_lr=2e-4, ofsd_epochs=1,
-            ofsd_pairs_per_step=4, tau_clip=0.05, ofsd_clip="vocab", ofsd_context="full", ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=256, seed=0)
+        ofsd.distill(pol, tok, pairs, ofsd_loss="kl", kl_weight=1.0, lora_rank=16, lora_alpha=32, lora_lr=2e-4, lora_epochs=1,
+            ofsd_micro_batch=4, tau_clip=0.05, ofsd_clip="vocab", ofsd_context="full", ofsd_positions="policy", max_grad_norm=1.0, kl_chunk=256, seed=0)
 rng2 = random.Random(1)
 import rollout as _R
 _qs = [train[rng2.randrange(len(train))] for _ in range(8)]
