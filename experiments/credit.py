@@ -39,6 +39,7 @@ T_SUM = {10: 2.262 + 0.883}  # t(0.975, n - 1) + t(0.80, n - 1): a paired test a
 
 def run(args):
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, "-m", "worlds.toyagent", "cache/toyworld", "--shipped"], cwd=ROOT, check=True)  # once
     seeds = expand(args.seeds)
     jobs = [(arm, s, os.path.join(args.out, f"{arm}-seed{s}")) for s in seeds for arm in args.arms.split(",")]
     todo = [j for j in jobs if not os.path.exists(os.path.join(ROOT, j[2], "results.md"))]
