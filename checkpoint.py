@@ -52,7 +52,7 @@ def barrier():
 
 RUN_MARKER = "evolve-run.json"  # written first into a fresh out_dir: the directory holds a run of ours
 RUN_FILES = (RUN_MARKER, "adapters", "checkpoint", "checkpoint.tmp", "checkpoint.old", "metrics.jsonl", "results.md",
-             "results.md.tmp", "curves.svg", "curves.svg.tmp")
+             "results.md.tmp", "curves.svg", "curves.svg.tmp", "tokens.html", "tokens.html.tmp")
 
 
 def check_run_dir(out_dir, overwrite):
@@ -205,7 +205,7 @@ class Run:
             check_resume(self.ckpt_dir, config, world_size, may_change)
         else:
             check_run_dir(out_dir, config["overwrite"])
-        self.state = dict(done=0, step=0, results=[], metrics_lines=0, world_size=world_size)
+        self.state = dict(done=0, step=0, results=[], metrics_lines=0, world_size=world_size, pages=[])  # pages: tokens.html
         self.chain = None  # a LoRA run's base and adapters, in merge order
 
     def load_policy(self, start_model, device, dtype, lora_chain):
@@ -224,7 +224,7 @@ class Run:
         keeps the optimizer (None: a LoRA run's), to park it (`parked`)."""
         self.optimizer = optimizer
         if self.resume:
-            self.state = load_checkpoint(self.ckpt_dir, policy, optimizer, self.rank, rng, gen)
+            self.state = dict(dict(pages=[]), **load_checkpoint(self.ckpt_dir, policy, optimizer, self.rank, rng, gen))
             if self.rank == 0:
                 keep_first_lines(self.metrics_path, self.state["metrics_lines"])
 

@@ -64,9 +64,19 @@ def evaluate(model, tokenizer, index, questions, cfg, batch):
 
 
 def grpo_line(m, it):
-    return (f"grpo | it {it} | step {m['step']:4d} | reward {m['reward']:.3f} | loss {m['loss']:+.4f} | "
+    line = (f"grpo | it {it} | step {m['step']:4d} | reward {m['reward']:.3f} | loss {m['loss']:+.4f} | "
             f"kl {m['kl']:.5f} | clip {m['clip_frac']:.3f} | entropy {m['entropy']:.3f} | "
             f"searches {m['searches']:.2f} | tokens {m['tokens']:6d} | {m['seconds']:.1f}s")
+    if "credit" in m:  # the teacher's token credit: mean w - 1 by segment, rows with A > 0 / A < 0
+        c = m["credit"]
+
+        def f(x):
+            return "-" if x is None else f"{x:+.3f}"
+        line += (f" | credit lambda {c['credit_lambda']:.2f} | w-1 A>0 think/search/answer "
+                 f"{f(c['think_pos'])}/{f(c['search_pos'])}/{f(c['answer_pos'])} A<0 {f(c['think_neg'])}/"
+                 f"{f(c['search_neg'])}/{f(c['answer_neg'])} | after departure "
+                 f"{'-' if c['after_departure'] is None else format(c['after_departure'], '.2f')}")
+    return line
 
 
 def ofsd_line(row, m):
@@ -205,6 +215,52 @@ def paired(a, b):
         raise ValueError(f"per-question EM of {len(a)} and {len(b)} questions: not the same test set")
     wa, wb = sum(x > y for x, y in zip(a, b)), sum(y > x for x, y in zip(a, b))
     return wa, wb, sign_test(wa, wb)
+
+
+def token_section(tokenizer, title, rows, scale, legend):
+    """One section of `token_page`: rows = [(label, Trajectory, per sampled token its value or None)];
+    each token as (its text, sampled, value); values coloured over [-scale, scale]."""
+    out = []
+    for label, t, values in rows:
+        vals = iter(values or [])
+        pieces = []  # [ids, sampled, value]: a sampled token, or a run of the environment's tokens
+        for x, m in zip(t.tokens[t.prompt_len:], t.loss_mask[t.prompt_len:]):
+            if m or not pieces or pieces[-1][1]:
+                pieces.append([[x], m, next(vals, None) if m else None])
+            else:
+                pieces[-1][0].append(x)
+        toks = [(tokenizer.decode(ids), m, v) for ids, m, v in pieces]
+        out.append(dict(label=label, question=t.question, tokens=toks))
+    return dict(title=title, scale=scale, legend=legend, rows=out)
+
+
+def token_page(sections):
+    """One self-contained HTML page (inline CSS, no script): each section's trajectories, every token
+    the policy sampled on a background for its value (blue above 0, red below, white at 0; hover: the
+    number), the environment's text (retrieved documents, the invalid-action message) set apart in grey."""
+    import html
+    css = ("body{font-family:sans-serif;max-width:70em;margin:2em auto;color:#222}"
+           ".traj{font-family:monospace;white-space:pre-wrap;border:1px solid #ccc;padding:.6em;margin:.4em 0 1.2em}"
+           ".env{color:#888;background:#f4f4f4;display:inline-block;border-left:3px solid #bbb;padding:0 .3em;"
+           "font-size:85%}.p{border-radius:2px}")
+    out = ["<!DOCTYPE html>", '<html><head><meta charset="utf-8"><title>Where the teacher disagrees</title>',
+           f"<style>{css}</style></head><body><h1>Where the teacher disagrees</h1>"]
+    for sec in sections:
+        out.append(f"<h2>{html.escape(sec['title'])}</h2><p>{html.escape(sec['legend'])}</p>")
+        for row in sec["rows"]:
+            spans = []  # one line: the trajectory's own newlines are its text's (pre-wrap)
+            for text, sampled, v in row["tokens"]:
+                if not sampled:
+                    spans.append(f'<span class="env">{html.escape(text)}</span>')
+                    continue
+                x = 0.0 if v is None else max(-1.0, min(1.0, v / sec["scale"]))
+                rgb = (int(255 * (1 - x)), int(255 * (1 - x)), 255) if x >= 0 else (255, int(255 * (1 + x)), int(255 * (1 + x)))
+                tip = "" if v is None else f' title="{v:+.4f}"'
+                spans.append(f'<span class="p" style="background:rgb{rgb}"{tip}>{html.escape(text)}</span>')
+            out.append(f"<h3>{html.escape(row['label'])}</h3><p>{html.escape(row['question'])}</p>"
+                       f'<div class="traj">{"".join(spans)}</div>')
+    out.append("</body></html>")
+    return "\n".join(out) + "\n"
 
 
 def peak_line():

@@ -28,7 +28,9 @@ import torch
 
 import checkpoint
 import configurator
-from eval import curves_svg, eval_line, evaluate, grpo_line, ofsd_line, peak_line, results_table, summarize
+import credit
+from eval import (curves_svg, eval_line, evaluate, grpo_line, ofsd_line, peak_line, results_table, summarize,
+                  token_page, token_section)
 import fsdp
 import grpo
 import lora
@@ -61,6 +63,10 @@ grpo_lora_lr = 2e-3            # that adapter's AdamW learning rate (LoRA wants 
 warmup_steps = 3               # linear warm-up of the GRPO learning rate; 0 = none (0.285 of the run's steps)
 kl_coef = 0.001                # KL-term coefficient beta (k3 estimator)      (0.001)
 entropy_coef = 0.001           # entropy bonus: loss -= entropy_coef * token-mean entropy   (0.001)
+credit_lambda = 0.0            # the teacher's token credit inside GRPO (credit.py, RLSD): lambda at step 1; 0 = off
+credit_eps = 0.2               # its bound: each token's weight w in [1 - eps, 1 + eps]   (RLSD: 0.2)
+credit_decay_steps = 50        # lambda falls linearly to 0 over these GRPO steps; 0 = constant   (RLSD: 50)
+credit_context = "full"        # what the credit's teacher sees of the group's tau_ref (as --ofsd_context)
 kl_policy = "round"            # the KL term's model: "round" the round's start, "initial" the start model (the anchor's)
 clip_ratio = 0.2               # PPO clip epsilon                              (0.2)
 max_grad_norm = 1.0            # gradient-norm clip                            (1.0)
@@ -125,16 +131,14 @@ def main():
     torch.manual_seed(seed)  # LoRA initialisation (checkpointed: exact resume)
     policy = fsdp.wrap(run.load_policy(start_model, dev, fsdp.held_dtype(dt), lora_chain=grpo_lora_rank > 0), dt)
     policy.checkpoint_layers = activation_checkpointing
-    # full fine-tuning's AdamW, kept across rounds (a LoRA run makes one a round)
-    optimizer = None if grpo_lora_rank else torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
+    optimizer = None if grpo_lora_rank else torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)  # kept (full FT)
     run.restore(policy, optimizer, rng, gen)
 
     def sample_questions(n):  # n training questions (the same on every rank), then this rank's share
         return [train[rng.randrange(len(train))] for _ in range(n)][rank::world_size]
 
     # the rounds: start, then (GRPO, OFSD) per iteration; each is evaluated and checkpointed
-    rounds = ("grpo", "ofsd") if ofsd_rounds else ("grpo",)
-    schedule = [("start", 0)] + [(kind, it) for it in range(iterations) for kind in rounds]
+    schedule = [("start", 0)] + [(kind, it) for it in range(iterations) for kind in ("grpo", "ofsd")[:1 + ofsd_rounds]]
     for r in range(run.state["done"], len(schedule)):
         kind, it = schedule[r]
         t0, row = time.time(), dict(round=r, after=kind, iteration=it)
@@ -143,7 +147,7 @@ def main():
             adapter, round_optimizer = grpo_adapter(policy, optimizer, grpo_cfg)  # LoRA: a fresh adapter, its AdamW
             steps = [sample_questions(questions_per_step) for _ in range(grpo_steps)]
             for m in grpo_round(policy, kl_model, round_optimizer, tokenizer, index, steps, grpo_cfg, gen,
-                                run.state["step"]):
+                                run.state["step"], run.state["pages"]):
                 run.record(dict(kind="grpo_step", iteration=it, **m), grpo_line(m, it))
             run.state["step"] += grpo_steps
             if adapter is not None:  # saved in the run's chain, merged
@@ -157,8 +161,9 @@ def main():
                    seconds=time.time() - t0)
         run.state["results"].append(row)
         run.record(dict(kind="eval", **row), eval_line(row))
-        if rank == 0:
+        if rank == 0:  # the chart, and where the teacher disagrees token by token
             checkpoint.write_atomic(os.path.join(out_dir, "curves.svg"), curves_svg({out_dir: [run.state["results"]]}))
+            checkpoint.write_atomic(os.path.join(out_dir, "tokens.html"), token_page(run.state["pages"]))
         run.save(policy, tokenizer, optimizer, rng, gen)
 
     if rank == 0:
@@ -252,20 +257,39 @@ def grpo_adapter(policy, optimizer, cfg):
     return adapter, torch.optim.AdamW(adapter, lr=cfg.grpo_lora_lr, weight_decay=0.0)
 
 
-def grpo_round(policy, kl_model, optimizer, tokenizer, index, questions, cfg, gen, first_step):
+def grpo_round(policy, kl_model, optimizer, tokenizer, index, questions, cfg, gen, first_step, pages=None):
     """The GRPO round (grpo.py), a step for each of this rank's `questions` lists: the rollouts, then the
     updates, each a token mean over its tokens on every rank (summed here). Yields each step's metrics,
-    with what each rank holds."""
+    with what each rank holds. With the credit on, the first step with groups of both outcomes gives two
+    of them to `pages` (eval.token_section's, tagged with the round) for the run's tokens.html."""
     for s, step_questions in enumerate(questions):
         t0 = time.time()
         batch = grpo.explore(policy, tokenizer, index, step_questions, cfg, gen)
         rollout_seconds = time.time() - t0
+        if batch.weights is not None and pages is not None and not any(p["round"] == first_step for p in pages):
+            pages += [dict(x, round=first_step) for x in credit_sections(tokenizer, batch, cfg, first_step + s + 1)]
         n_tokens = fsdp.all_sum(batch.token_counts().to(gen.device))  # (ppo_updates,) over every rank
         done = grpo.update(policy, kl_model, optimizer, batch, n_tokens, cfg, first_step + s + 1, tokenizer.pad_id)
         m = grpo.step_metrics(done, fsdp.all_sum(done["loss_sums"]), fsdp.all_sum(done["rollout_sums"].to(gen.device)),
                               n_tokens)
         yield dict(m, seconds=time.time() - t0, rollout_seconds=rollout_seconds,
                    state_bytes=fsdp.state_bytes(policy, optimizer, kl_model))
+
+
+def credit_sections(tokenizer, batch, cfg, step):
+    """tokens.html's sections for a GRPO round: up to two groups with both outcomes, each row's tokens
+    coloured by the teacher's weight w - 1."""
+    G, out = cfg.group_size, []
+    for g in range(0, len(batch.trajs), G):
+        if len(out) < 2 and any(w is not None for w in batch.weights[g:g + G]):
+            rows = [(f"reward {batch.rewards[i]:.0f} | A {batch.advantages[i]:+.2f}" +
+                     (" | w = 1 (tau_ref, or A = 0)" if batch.weights[i] is None else ""),
+                     batch.trajs[i], None if batch.weights[i] is None else [x - 1 for x in batch.weights[i]])
+                    for i in range(g, g + G)]
+            out.append(dict(token_section(tokenizer, f"GRPO step {step}: a group's rollouts, w - 1", rows,
+                                          cfg.credit_eps, "blue: the teacher credits the token more (w > 1), "
+                                          "red: less; grey: the environment's text")))
+    return out
 
 
 def ofsd_round(policy, tokenizer, index, questions, cfg, gen, run, r, it, order_seed):
@@ -276,7 +300,13 @@ def ofsd_round(policy, tokenizer, index, questions, cfg, gen, run, r, it, order_
         pairs = fsdp.all_ranks(ofsd.mine_round(policy, tokenizer, index, questions, cfg, gen))  # every rank: all
         gap = teacher_gap.before_round(policy, tokenizer, index, pairs, cfg.rollout, cfg.kl_chunk, cfg.ofsd_context)
         lesson = ofsd.prepare(policy, tokenizer, pairs, cfg)  # both views, the teacher's states
-        m = dict(lesson.metrics)
+        m, shown = dict(lesson.metrics), pairs[:3]  # tokens.html: tau_stu, teacher log p - student log p
+        gaps = credit.view_logprobs(policy, tokenizer, [p.stu for p in shown], [ofsd.privileged(tokenizer, p,
+                                    cfg.ofsd_context) for p in shown], 1.0, cfg.ofsd_pairs_per_step)
+        run.state["pages"] += [dict(token_section(tokenizer, f"OFSD round {r}: tau_stu, log p_T - log p_S", [
+            (f"tau_stu ({'incorrect' if p.incorrect else 'correct'})", p.stu, (lt - ls).tolist())
+            for p, (lt, ls) in zip(shown, gaps)], 2.0, "blue: the teacher view gives the token more probability "
+            "than the student view, red: less (scale +-2 nats)"), round=f"ofsd {r}")] if shown else []
         if lesson.data:
             adapter = lora.attach(policy, cfg.ofsd_lora_rank, cfg.ofsd_lora_alpha)
             fsdp.replicate(adapter)  # rank 0's initialisation on every rank

@@ -21,7 +21,9 @@ from typing import NamedTuple
 
 import torch
 
+import credit
 import lora
+import ofsd
 from configurator import refuse_bad
 from model import token_logprobs
 from rollout import RolloutConfig, em_rewards, pad_batch, rollout
@@ -45,19 +47,25 @@ class GRPOConfig:
     kl_policy: str  # the KL term's model: "round" (the round's start), "initial" (the start model)
     entropy_coef: float  # c_H
     max_grad_norm: float  # gradient-norm clip
+    credit_lambda: float  # the teacher's token credit (credit.py): lambda at step 1; 0 = plain GRPO
+    credit_eps: float  # its bound: w in [1 - eps, 1 + eps]
+    credit_decay_steps: int  # lambda falls to 0 over these steps; 0 = constant
+    credit_context: str  # what the teacher sees of tau_ref (ofsd.CONTEXTS)
     rollout: RolloutConfig  # how the rollouts run (temperature: also the loss's)
 
     def __post_init__(self):
         refuse_bad(self, positive=("grpo_steps", "questions_per_step", "ppo_mini_batch", "micro_batch", "lr",
                                    "grpo_lora_alpha", "grpo_lora_lr", "clip_ratio", "max_grad_norm"),
-                   not_negative=("grpo_lora_rank", "warmup_steps", "kl_coef", "entropy_coef"),
-                   choices=dict(kl_policy=("round", "initial")),
+                   not_negative=("grpo_lora_rank", "warmup_steps", "kl_coef", "entropy_coef", "credit_lambda",
+                                 "credit_eps", "credit_decay_steps"),
+                   choices=dict(kl_policy=("round", "initial"), credit_context=ofsd.CONTEXTS),
                    also=[(self.group_size < 2, f"--group_size={self.group_size}: must be >= 2 (a group of one has "
                                                "no advantage and gives no OFSD pair)"),
                          (self.ppo_mini_batch > self.questions_per_step, f"--ppo_mini_batch={self.ppo_mini_batch}: "
                           f"must be at most --questions_per_step={self.questions_per_step}"),
                          (not self.rollout.temperature > 0, f"--temperature={self.rollout.temperature}: must be > 0 "
-                                                            "(GRPO samples)")])
+                                                            "(GRPO samples)"),
+                         (self.credit_lambda > 1, f"--credit_lambda={self.credit_lambda}: must be at most 1")])
 
     @property
     def ppo_updates(self):
@@ -91,6 +99,8 @@ class Batch(NamedTuple):
     rewards: list  # EM of each
     advantages: list  # group advantage of each
     parts: list  # the trajectory indices of each PPO update (a shuffled share of the groups)
+    weights: list = None  # credit: per trajectory its w over its sampled tokens, or None (w = 1)
+    credit_stats: dict = None  # credit.token_stats of this rank's rows
 
     def token_counts(self):
         """Policy tokens of each update's trajectories on this rank, (ppo_updates,) float32."""
@@ -98,8 +108,9 @@ class Batch(NamedTuple):
 
 
 def explore(policy, tokenizer, index, questions, cfg, generator):
-    """A step's rollouts: G a question, their EM rewards and group advantages, and the groups shuffled
-    into cfg.ppo_updates shares (one more group for the first len % n)."""
+    """A step's rollouts: G a question, their EM rewards and group advantages, the groups shuffled
+    into cfg.ppo_updates shares (one more group for the first len % n), and with the credit on each
+    token's teacher weight w (credit.py)."""
     G = cfg.group_size
     trajs = rollout(policy, tokenizer, index, [q["question"] for q in questions], G, cfg.rollout, generator)
     rewards = em_rewards(trajs, questions, G)
@@ -107,11 +118,22 @@ def explore(policy, tokenizer, index, questions, cfg, generator):
     if cfg.ppo_updates > 1:
         order = torch.randperm(len(order), generator=generator, device=generator.device).tolist()
     parts = [[i * G + j for i in order[u::cfg.ppo_updates] for j in range(G)] for u in range(cfg.ppo_updates)]
-    return Batch(trajs, rewards, group_advantages(rewards, G).tolist(), parts)
+    advantages = group_advantages(rewards, G).tolist()
+    if not cfg.credit_lambda:
+        return Batch(trajs, rewards, advantages, parts)
+    weights, refs = credit.group_weights(policy, tokenizer, trajs, rewards, advantages, G, cfg.credit_context,
+                                        cfg.credit_eps, cfg.rollout.temperature, cfg.micro_batch)
+    return Batch(trajs, rewards, advantages, parts, weights, credit.token_stats(tokenizer, trajs, advantages, weights, refs))
+
+
+def per_token(advantage, traj):
+    """A trajectory's advantage on each token it sampled: a float (the same on every token) or a list."""
+    return advantage if isinstance(advantage, list) else [advantage] * sum(traj.loss_mask[1:])
 
 
 def grpo_step(model, kl_model, optimizer, trajs, advantages, cfg, pad_id, n_tokens=None):
-    """One AdamW update on `trajs` (a PPO mini-batch), accumulated over micro-batches; the loss is a
+    """One AdamW update on `trajs` (a PPO mini-batch), accumulated over micro-batches (`advantages`: a
+    float a trajectory, or with the credit a list over its sampled tokens); the loss is a
     token mean over `n_tokens`, the update's policy tokens on every rank (None: these trajectories'
     own, one process). kl_model None: the KL term's model is the policy with its LoRA adapter off.
     Returns this rank's share of each token mean, its token `sums` of the loss, pg, kl, clipped and
@@ -125,8 +147,12 @@ def grpo_step(model, kl_model, optimizer, trajs, advantages, cfg, pad_id, n_toke
     for s in range(0, len(trajs), cfg.micro_batch):
         rows = by_length[s:s + cfg.micro_batch]
         ids, valid, mask, old = pad_batch([trajs[i] for i in rows], pad_id, device)  # (B, T) each
-        adv = torch.tensor([advantages[i] for i in rows], dtype=torch.float32, device=device)  # (B,)
-        adv_tok = adv[:, None].expand_as(mask)[:, 1:][mask[:, 1:]]  # (n,) each token its row's advantage
+        if all(isinstance(advantages[i], float) for i in rows):
+            adv = torch.tensor([advantages[i] for i in rows], dtype=torch.float32, device=device)  # (B,)
+            adv_tok = adv[:, None].expand_as(mask)[:, 1:][mask[:, 1:]]  # (n,) each token its row's advantage
+        else:  # the credit: a row's own advantage on each of its sampled tokens, in order
+            adv_tok = torch.tensor([a for i in rows for a in per_token(advantages[i], trajs[i])], dtype=torch.float32,
+                                   device=device)  # (n,)
         old_tok = old[:, 1:][mask[:, 1:]]  # (n,)
         with torch.no_grad(), lora.disabled(model) if kl_model is None else contextlib.nullcontext():
             kl_tok = token_logprobs(model if kl_model is None else kl_model, ids, valid, mask, temperature)
@@ -156,11 +182,17 @@ def update(policy, kl_model, optimizer, batch, n_tokens, cfg, step, pad_id):
     ((ppo_updates, 5) float64) and of the rollouts (reward, searches, trajectories: (3,))."""
     for g in optimizer.param_groups:
         g["lr"] = learning_rate(cfg, step)
-    done = [grpo_step(policy, kl_model, optimizer, [batch.trajs[i] for i in part], [batch.advantages[i] for i in part],
+    lam, adv = credit.schedule(cfg.credit_lambda, cfg.credit_decay_steps, step), batch.advantages
+    if batch.weights is not None:  # A_t = A ((1 - lambda) + lambda w_t) where the teacher weighed a row
+        adv = [a if w is None else [credit.credited(a, x, lam) for x in w] for a, w in zip(adv, batch.weights)]
+    done = [grpo_step(policy, kl_model, optimizer, [batch.trajs[i] for i in part], [adv[i] for i in part],
                       cfg, pad_id, n) for part, n in zip(batch.parts, n_tokens)]
     rollout_sums = torch.tensor([sum(batch.rewards), sum(t.n_search for t in batch.trajs), len(batch.trajs)])
-    return dict(loss_sums=torch.stack([d["sums"] for d in done]), rollout_sums=rollout_sums,
-                grad_norms=[d["grad_norm"] for d in done], step=step, lr=optimizer.param_groups[0]["lr"])
+    out = dict(loss_sums=torch.stack([d["sums"] for d in done]), rollout_sums=rollout_sums,
+               grad_norms=[d["grad_norm"] for d in done], step=step, lr=optimizer.param_groups[0]["lr"])
+    if batch.credit_stats is not None:
+        out["credit"] = dict(batch.credit_stats, credit_lambda=lam)  # this rank's rows
+    return out
 
 
 def step_metrics(done, loss_sums, rollout_sums, n_tokens):
@@ -175,4 +207,6 @@ def step_metrics(done, loss_sums, rollout_sums, n_tokens):
         m["updates"] = updates
     m.update(step=done["step"], lr=done["lr"], reward=(rollout_sums[0] / rollout_sums[2]).item(),
              searches=(rollout_sums[1] / rollout_sums[2]).item())
+    if "credit" in done:
+        m["credit"] = done["credit"]
     return m

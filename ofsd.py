@@ -106,12 +106,19 @@ def token_distance(a, b):
     return 0.0 if union == 0 else 1.0 - sum((ba & bb).values()) / union
 
 
+def reference(group, rewards):
+    """Index of tau_ref in one question's group: the correct rollout with the fewest searches (then
+    policy tokens), or None when none is correct."""
+    correct = [i for i, r in enumerate(rewards) if r > 0]
+    return min(correct, key=lambda i: (group[i].n_search, sum(group[i].loss_mask), i)) if correct else None
+
+
 def mine_pair(group, rewards):
     """(ref index, student index, student is incorrect) within one question's group, or None."""
-    correct = [i for i, r in enumerate(rewards) if r > 0]
-    if not correct:
+    ref = reference(group, rewards)
+    if ref is None:
         return None
-    ref = min(correct, key=lambda i: (group[i].n_search, sum(group[i].loss_mask), i))
+    correct = [i for i, r in enumerate(rewards) if r > 0]
     wrong = [i for i, r in enumerate(rewards) if r <= 0]
     pool = wrong or [i for i in correct if i != ref]
     if not pool:
