@@ -91,6 +91,13 @@ else:
     _t = _R.rollout(pol, tok, index, [q["question"] for q in _qs], 5, generator=torch.Generator().manual_seed(0), **rollout_args)
 pairs = ofsd.mine(_t, _qs, 5)
 print("pairs", len(pairs))
-for name, fn in (("GRPO round", g), ("OFSD round", o)):
+walks = [("GRPO round", g), ("OFSD round", o)]
+if hasattr(grpo, "explore"):  # #78: the method's own calls in a GRPO step, without the loop's generator around them
+    def step():
+        b = grpo.explore(pol, tok, index, qs(2), gcfg, gen)
+        grpo.update(pol, load_policy(os.path.join(W, "backbone"))[0], torch.optim.AdamW(pol.parameters(), lr=1e-4), b,
+                    b.token_counts(), gcfg, 1, tok.pad_id)
+    walks.insert(1, ("GRPO step, the method's calls (explore, update)", step))
+for name, fn in walks:
     n, r, seq = walk(fn)
     print(f"{name}: {n} files, {r} returns up: {' > '.join(seq)}")
