@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import checkpoint  # noqa: E402
+import evolve  # noqa: E402
 import fsdp  # noqa: E402
 import grpo  # noqa: E402
 from model import load  # noqa: E402
@@ -137,13 +138,11 @@ def main():
         after_ofsd[clip] = fsdp.full_state_dict(policy)
     # GRPO through LoRA (evolve.grpo_adapter): an adapter replicated on every rank, its gradient summed
     # over the ranks, the KL term's model the policy with the adapter off; two steps
-    adapter = lora.attach(policy, 4, 8)
-    fsdp.replicate(adapter)
-    fsdp.sum_grads(adapter)
+    adapter, lora_opt = evolve.grpo_adapter(policy, None, settings(grpo.GRPOConfig, grpo_lora_rank=4, grpo_lora_alpha=8,
+                                                                   grpo_lora_lr=1e-3))  # as evolve.py sets it up
     with torch.no_grad():  # B = 0 at attach: move it, so that the KL term and the adapter's A gradient are not 0
         for p in adapter[1::2]:
             p.copy_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
-    lora_opt = torch.optim.AdamW(adapter, lr=1e-3, weight_decay=0.0)
     policy.train()
     lora_steps = [step(policy, None, lora_opt, [trajs[i] for i in mine], [adv[i] for i in mine], step_cfg,
                        tokenizer.pad_id) for _ in range(2)]

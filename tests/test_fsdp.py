@@ -197,6 +197,7 @@ def test_two_rank_run_completes(two_rank_runs):
     assert [r["kind"] for r in rows if r["kind"] != "grpo_step"] == ["eval", "eval", "ofsd_round", "eval", "eval",
                                                                         "ofsd_round", "eval"]
     assert all(len(r["state_bytes"]) == 2 for r in rows if r["kind"] == "grpo_step")
+    assert all(r["summary"]["all"]["n"] == 3 for r in rows if r["kind"] == "eval")  # each rank its share, once
     assert stdout.count("grpo | it 0 | step") == 1
     assert os.listdir(os.path.join(full, "checkpoint", "optimizer"))  # each rank's optimizer slices
     load(os.path.join(full, "checkpoint", "model"))

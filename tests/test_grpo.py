@@ -94,6 +94,29 @@ def test_step_moves_toward_advantaged_samples(agent, tokenizer, search_index):
         assert token_logprobs(policy, ids, valid, mask, 1.0).sum() > before
 
 
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_step_raises_rewarded_and_lowers_unrewarded_rows(agent, tokenizer, search_index, sign):
+    """One GRPO update on fixed rollouts (rewards 1, 0, 0, 1 as group advantages) raises each rewarded row's
+    log-probability and lowers each unrewarded one's; the advantage's sign flipped, the opposite."""
+    sampled = run(agent, tokenizer, search_index, [AGENT_QUESTION], G=12, temperature=1.3,
+                  generator=torch.Generator().manual_seed(1))
+    trajs = list({tuple(t.tokens): t for t in sampled}.values())[:4]  # four different rollouts
+    assert len(trajs) == 4
+    adv = [sign * a for a in grpo.group_advantages([1.0, 0.0, 0.0, 1.0], 4).tolist()]
+    policy = copy.deepcopy(agent)
+    ids, valid, mask, _ = pad_batch(trajs, 0, "cpu")
+
+    def per_row():
+        with torch.no_grad():
+            lp = token_logprobs(policy, ids, valid, mask, 1.0)
+        return [x.sum().item() for x in lp.split(mask[:, 1:].sum(1).tolist())]
+    before = per_row()
+    grpo.grpo_step(policy, agent, torch.optim.SGD(policy.parameters(), lr=0.01), trajs, adv,
+                   settings(GRPOConfig, micro_batch=2, kl_coef=0.0, entropy_coef=0.0, temperature=1.0), 0)
+    moved = [a - b for a, b in zip(per_row(), before)]
+    assert all((m > 0) == (a > 0) for m, a in zip(moved, adv)), (moved, adv)
+
+
 def test_kl_term_against_a_moved_kl_model(agent, tokenizer, search_index):
     """With a KL model that differs from the policy, the step's KL is the token mean of (clamped) k3
     of the two models' log-probs (float64 full forward), and the loss carries kl_coef times it."""

@@ -140,6 +140,21 @@ def test_round_lowers_kl_and_merges(agent, tokenizer, search_index):
     assert not lora._wrapped(model) and all(p.requires_grad for p in model.parameters())
 
 
+@pytest.mark.parametrize("clip", ["position", "none"])
+def test_round_lowers_the_true_kl_where_its_clip_claims_to(agent, tokenizer, search_index, clip):
+    """An OFSD round whose clip keeps the true KL's direction (each position's sum clipped, or nothing; METHOD.md:
+    the per-term clip does not) lowers the true forward KL from the student view to the teacher view on its pairs
+    (tau_clip above most positions' KL: a clipped position has no gradient)."""
+    model = copy.deepcopy(agent)
+    trajs = run(model, tokenizer, search_index, [AGENT_QUESTION, "Ada"], G=3, temperature=1.3,
+                generator=torch.Generator().manual_seed(0))
+    pairs = [ofsd.Pair(trajs[0], trajs[1], True), ofsd.Pair(trajs[3], trajs[5], False)]
+    m = distill_round(model, tokenizer, pairs, settings(OFSDConfig, ofsd_loss="kl", ofsd_lora_rank=4, ofsd_lora_alpha=8,
+                                                        ofsd_lora_lr=5e-3, ofsd_epochs=4, ofsd_pairs_per_step=2,
+                                                        tau_clip=4.0, ofsd_clip=clip, kl_chunk=256))
+    assert m["kl_true_after"] < m["kl_true_before"]
+
+
 def test_segment_of_the_open_tag():
     """A position's segment is the tag still open in the text before it."""
     assert teacher_gap.segment_of("<think> a") == "think"
