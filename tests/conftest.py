@@ -129,7 +129,7 @@ def agent(tokenizer, search_index):
 
 @pytest.fixture(scope="session")
 def micro(tmp_path_factory, agent, tokenizer, search_index):
-    """A model folder, an index and tiny question files: everything evolve.py needs."""
+    """A model folder, an index and tiny question files: everything evolve.py needs, sized to learn."""
     d = tmp_path_factory.mktemp("micro")
     save(agent, tokenizer, str(d / "model"))
     qs = [{"question": AGENT_QUESTION, "golden_answers": ["Paris"], "type": "single"},
@@ -141,8 +141,10 @@ def micro(tmp_path_factory, agent, tokenizer, search_index):
     index_dir = os.path.dirname(search_index.doc_offsets.filename)
     return [f"--model_dir={d / 'model'}", f"--index_dir={index_dir}", f"--train_file={d / 'train.jsonl'}",
             f"--test_file={d / 'test.jsonl'}", "--grpo_steps=2", "--questions_per_step=2", "--ppo_mini_batch=2", "--group_size=3",
-            "--ofsd_questions=3", "--max_turns=2", "--max_turn_tokens=24", "--max_obs_tokens=64",
-            "--micro_batch=3", "--lr=1e-4", "--ofsd_epochs=1", "--ofsd_pairs_per_step=2", "--temperature=1.2"]
+            "--ofsd_questions=6", "--max_turns=2", "--max_turn_tokens=64", "--max_obs_tokens=512",
+            "--micro_batch=3", "--lr=1e-4", "--ofsd_epochs=1", "--ofsd_pairs_per_step=2", "--temperature=1.0"]
+    # whole turns and observations: the agent answers (start EM above 0), GRPO steps see groups of both
+    # outcomes and OFSD rounds mine pairs (test_evolve.py asserts it)
 
 
 # wikiworld.py's two data packages (requirements-real.txt), installed or not

@@ -11,6 +11,7 @@ import torch
 
 import credit
 import grpo
+import ofsd
 from conftest import AGENT_QUESTION, settings
 from eval import token_page, token_section
 from grpo import GRPOConfig
@@ -83,6 +84,9 @@ def test_weights_go_to_the_rows_a_credit_can_move(agent, tokenizer, search_index
     for i in (1, 2):
         assert len(weights[i]) == sum(trajs[i].loss_mask) and all(0.8 <= x <= 1.2 for x in weights[i])
     assert any(x != 1.0 for i in (1, 2) for x in weights[i])
+    contexts = [ofsd.privileged(tokenizer, ofsd.Pair(trajs[0], trajs[i], True), "full") for i in (1, 2)]
+    for i, (lt, ls) in zip((1, 2), credit.view_logprobs(agent, tokenizer, trajs[1:3], contexts, 1.0, 4)):
+        assert adv[i] < 0 and weights[i] == credit.token_weights(lt.double(), ls.double(), -1.0, 0.2).tolist()
 
 
 def test_departure_and_segments_count_the_sampled_tokens(tokenizer):

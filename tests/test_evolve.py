@@ -41,6 +41,10 @@ def test_one_iteration_end_to_end(micro, tmp_path):
     assert "| round | after |" in open(os.path.join(out, "results.md")).read()
     assert open(os.path.join(out, "curves.svg")).read().startswith("<svg")
     assert "grpo | it 0 | step    1 | reward" in p.stdout
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert rows[0]["summary"]["all"]["em"] > 0  # the fixture's agent answers: this run can learn
+    assert any(r["pg"] != 0 for r in rows if r["kind"] == "grpo_step")  # a group of both outcomes: A != 0
+    assert rows[4]["pairs"] >= 1 and rows[4]["losses"]  # the OFSD round mined pairs and distilled them
 
 
 @pytest.fixture(scope="module")

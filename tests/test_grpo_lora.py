@@ -139,10 +139,9 @@ def evolve(args):
 def lora_runs(micro, tmp_path_factory):
     """(a LoRA run of 2 iterations, the same run stopped after 1 and resumed to 2): out_dirs."""
     d = tmp_path_factory.mktemp("lora_runs")
-    # whole observations and turns (micro's 64 / 24 tokens cut the agent off before it answers): EM 0.67, and
-    # both OFSD rounds mine pairs, so OFSD adapters are saved, chained and resumed
-    args = [*micro, "--grpo_lora_rank=4", "--grpo_lora_lr=1e-3", "--ofsd_questions=6", "--max_obs_tokens=512",
-            "--max_turn_tokens=64", "--temperature=1.0"]
+    # micro's whole observations and turns: both OFSD rounds mine pairs, so OFSD adapters are saved, chained
+    # and resumed
+    args = [*micro, "--grpo_lora_rank=4", "--grpo_lora_lr=1e-3"]
     full, cut = str(d / "full"), str(d / "cut")
     evolve(args + ["--iterations=2", f"--out_dir={full}"])
     evolve(args + ["--iterations=1", f"--out_dir={cut}"])
