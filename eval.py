@@ -21,7 +21,7 @@ import torch
 
 import configurator
 from checkpoint import base_dir, load_policy, write_atomic
-from fsdp import check_compile, device_and_dtype, trim_host_memory
+from fsdp import behind_hidden, check_compile, device_and_dtype
 from model import Qwen2Config
 from retriever import load_index
 from rollout import SEARCH_R1, RolloutConfig, exact_match, rollout
@@ -59,7 +59,6 @@ def evaluate(model, tokenizer, index, questions, cfg, batch):
                             answer=t.answer, em=exact_match(t.answer, q["golden_answers"]),
                             searches=t.n_search, formatted=t.answer is not None,
                             trajectory=t.render(tokenizer)))
-        trim_host_memory()  # the batch's KV cache back to the OS
     return out
 
 
@@ -307,6 +306,7 @@ def main():
     check_compile(cfg["compile"], device)
     print(f"{cfg['model_dir']}: {device}, {str(dtype).removeprefix('torch.')}", file=sys.stderr)
     model, tok = load_policy(cfg["model_dir"], device, dtype)  # a checkpoint, or a base and its adapters
+    behind_hidden(model)  # each batch's KV cache handed back to the OS before the next
     index = load_index(cfg["index_dir"])
     table, everything = [], []
     for path, qs in data.items():

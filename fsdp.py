@@ -33,7 +33,6 @@ sharding across nodes (a 2-D device mesh), float8.
 
 import contextlib
 import ctypes
-import functools
 import os
 import time
 import types
@@ -210,7 +209,7 @@ def behind_hidden(model):
     - a decoding forward (one with a KV cache) of a sharded model finds every weight all-gathered once
       and kept (no per-layer gathers for each token; ranks may decode different numbers of steps);
     - the first forward after decoding frees them and hands the freed KV cache back to the OS
-      (`trim_host_memory`, before training; one process too);
+      (`trim_host_memory`, before training; one process too), and so does a new decode's first prefill;
     - FSDP2 keeps a root's weights (embeddings, LM head) gathered after a forward without gradients
       (the caller reads lm_head_weight after hidden()); a forward with gradients frees those of every
       other sharded model first (the KL term's model between micro-batches), `reshard` does it too."""
@@ -220,29 +219,39 @@ def behind_hidden(model):
 
 
 def _hidden(model, input_ids, cache=None, *args, **kwargs):
-    """model.hidden as `behind_hidden` installs it."""
-    state, sharded, decoding = model._behind, is_sharded(model), cache is not None
+    """model.hidden as `behind_hidden` installs it. A decoding step (one token a row, already decoding)
+    passes straight through: nothing here runs inside a compiled step."""
+    state, decoding = model._behind, cache is not None
+    sharded = state["inner"] is not None  # FSDP's registered hidden, or the class's
+    if decoding != state["decoding"] or (decoding and input_ids.shape[1] > 1):
+        _boundary(model, sharded, decoding, input_ids, cache)
+    if sharded and not decoding and torch.is_grad_enabled():
+        _release_left(model)
+    out = (state["inner"] or type(model).hidden.__get__(model))(input_ids, cache, *args, **kwargs)
+    if sharded and not decoding and not torch.is_grad_enabled() and model not in _LEFT_GATHERED:
+        _LEFT_GATHERED.append(model)
+    return out
+
+
+def _boundary(model, sharded, decoding, input_ids, cache):
+    """Entering decoding (a sharded model's weights gathered whole), leaving it (freed, the heap trimmed),
+    or a new decode's first prefill (the heap trimmed)."""
     layers = [m for m in _units(model) if m is not model]
-    if decoding and not state["decoding"] and sharded:
+    if decoding and not model._behind["decoding"] and sharded:
         _release_left(None)
         for m in layers:
             m.set_reshard_after_forward(False, recurse=False)
         for m in _units(model):
             m.unshard()
-    elif not decoding and state["decoding"]:
+    elif not decoding and model._behind["decoding"]:
         if sharded:
             for m in layers:
                 m.set_reshard_after_forward(True, recurse=False)
             reshard(model)
         trim_host_memory()  # the KV cache just freed
-    state["decoding"] = decoding
-    if sharded and not decoding and torch.is_grad_enabled():
-        _release_left(model)
-    inner = state["inner"] or functools.partial(type(model).hidden, model)
-    out = inner(input_ids, cache, *args, **kwargs)
-    if sharded and not decoding and not torch.is_grad_enabled() and model not in _LEFT_GATHERED:
-        _LEFT_GATHERED.append(model)
-    return out
+    if decoding and input_ids.shape[1] > 1 and not bool(cache.end.any()):
+        trim_host_memory()  # a prefill into an empty cache: a new decode, the last one's cache freed
+    model._behind["decoding"] = decoding
 
 
 def _release_left(keep):
