@@ -16,6 +16,7 @@ Left out: value models (GRPO needs none), format rewards, dynamic sampling, leng
 """
 
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -121,9 +122,11 @@ def explore(policy, tokenizer, index, questions, cfg, generator):
     advantages = group_advantages(rewards, G).tolist()
     if not cfg.credit_lambda:
         return Batch(trajs, rewards, advantages, parts)
+    t0 = time.time()
     weights, refs = credit.group_weights(policy, tokenizer, trajs, rewards, advantages, G, cfg.credit_context,
                                         cfg.credit_eps, cfg.rollout.temperature, cfg.micro_batch)
-    return Batch(trajs, rewards, advantages, parts, weights, credit.token_stats(tokenizer, trajs, advantages, weights, refs))
+    stats = dict(credit.token_stats(tokenizer, trajs, advantages, weights, refs), seconds=time.time() - t0)
+    return Batch(trajs, rewards, advantages, parts, weights, stats)
 
 
 def per_token(advantage, traj):

@@ -170,12 +170,22 @@ def grpo_step(model, kl_model, optimizer, trajs, adv, pad_id, **settings):
 
 
 def distill(model, tok, pairs, seed, **settings):
-    """ofsd.distill with its settings by name (kl_weight: ofsd_kl_weight from #69 on)."""
+    """An OFSD round's distillation with its settings by name (kl_weight: ofsd_kl_weight from #69 on; the
+    adapter attached and merged by the caller from #78 on, as evolve.ofsd_round does)."""
     import ofsd
     if not hasattr(ofsd, "OFSDConfig"):
         return ofsd.distill(model, tok, pairs, seed=seed, **settings)
     settings["ofsd_kl_weight"] = settings.pop("kl_weight")
-    return ofsd.distill(model, tok, pairs, group(ofsd.OFSDConfig, **settings), seed)
+    if not hasattr(ofsd, "prepare"):
+        return ofsd.distill(model, tok, pairs, group(ofsd.OFSDConfig, **settings), seed)
+    import checkpoint
+    import lora
+    cfg = group(ofsd.OFSDConfig, **settings)
+    lesson = ofsd.prepare(model, tok, pairs, cfg)
+    adapter = lora.attach(model, cfg.ofsd_lora_rank, cfg.ofsd_lora_alpha)
+    m = ofsd.distill(model, adapter, tok, lesson, cfg, seed)
+    checkpoint.merge_adapter(model, adapter)
+    return m
 
 
 def max_response_tokens(tok, **settings):
