@@ -39,6 +39,12 @@ def credited(advantage, w, lam):
     return advantage * ((1 - lam) + lam * w)
 
 
+def token_advantages(advantages, weights, lam):
+    """Each row's advantage: the float A where the teacher did not weigh it (w None), else A_t on each of
+    its sampled tokens (grpo.grpo_step takes either)."""
+    return [a if w is None else [credited(a, x, lam) for x in w] for a, w in zip(advantages, weights)]
+
+
 def schedule(lam, decay_steps, step):
     """lambda at the run's step `step` (from 1): lam falling linearly to 0 over decay_steps (0: constant)."""
     return lam * max(0.0, 1 - (step - 1) / decay_steps) if decay_steps else lam

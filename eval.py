@@ -233,6 +233,22 @@ def token_section(tokenizer, title, rows, scale, legend):
     return dict(title=title, scale=scale, legend=legend, rows=out)
 
 
+def credit_sections(tokenizer, batch, group_size, eps, step):
+    """tokens.html's sections for a GRPO step's batch (grpo.Batch with the credit's weights): up to two
+    groups with both outcomes, each row's tokens coloured by the teacher's weight w - 1."""
+    G, out = group_size, []
+    for g in range(0, len(batch.trajs), G):
+        if len(out) < 2 and any(w is not None for w in batch.weights[g:g + G]):
+            rows = [(f"reward {batch.rewards[i]:.0f} | A {batch.advantages[i]:+.2f}" +
+                     (" | w = 1 (tau_ref, or A = 0)" if batch.weights[i] is None else ""),
+                     batch.trajs[i], None if batch.weights[i] is None else [x - 1 for x in batch.weights[i]])
+                    for i in range(g, g + G)]
+            out.append(dict(token_section(tokenizer, f"GRPO step {step}: a group's rollouts, w - 1", rows,
+                                          eps, "blue: the teacher credits the token more (w > 1), "
+                                          "red: less; grey: the environment's text")))
+    return out
+
+
 def token_page(sections):
     """One self-contained HTML page (inline CSS, no script): each section's trajectories, every token
     the policy sampled on a background for its value (blue above 0, red below, white at 0; hover: the

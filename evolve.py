@@ -29,8 +29,8 @@ import torch
 import checkpoint
 import configurator
 import credit
-from eval import (curves_svg, eval_line, evaluate, grpo_line, ofsd_line, peak_line, results_table, summarize,
-                  token_page, token_section)
+from eval import (credit_sections, curves_svg, eval_line, evaluate, grpo_line, ofsd_line, peak_line, results_table,
+                  summarize, token_page, token_section)
 import fsdp
 import grpo
 import lora
@@ -120,7 +120,7 @@ def main():
     # setup: ranks and device, the run's folder, data, the policy (or all of it from a checkpoint)
     rank, world_size, dev, dt = fsdp.setup(device, dtype, hidden_size(model_dir), masters=not grpo_lora_rank)
     run = checkpoint.Run(out_dir, config, rank, world_size, RESUME_MAY_CHANGE)  # refuses a bad out_dir or resume
-    check_ranks(grpo_cfg, ofsd_questions, world_size)
+    fsdp.check_ranks(questions_per_step, grpo_cfg.ppo_updates, ofsd_questions, world_size)
     fsdp.check_compile(compile, dev, world_size)
     checkpoint.barrier()  # every rank has checked before any rank writes
     start_model, index, train, test, tokenizer = worlds.load(model_dir, index_dir, train_file, test_file, test_limit,
@@ -205,16 +205,6 @@ def model_config(path):
     return Qwen2Config.from_json(os.path.join(checkpoint.base_dir(path), "config.json"))
 
 
-def check_ranks(cfg, ofsd_questions, world_size):
-    """Every rank needs questions, and the same number of training passes."""
-    q = cfg.questions_per_step
-    if q % world_size or q // world_size < cfg.ppo_updates or ofsd_questions < world_size:
-        raise SystemExit(f"--questions_per_step={q} must be a multiple of the number of ranks ({world_size}) "
-                         f"with at least one question per rank for each of its {cfg.ppo_updates} updates, and "
-                         f"--ofsd_questions={ofsd_questions} at least the number of ranks: every rank needs "
-                         "questions, and the same number of training passes")
-
-
 def check_context(limit, tokenizer, questions, sampling, group_size, ofsd_context):
     """A trajectory must fit the model's context of `limit` tokens: the longest question's prompt, then
     its response (rollout.max_response_tokens: the KV cache holds all of it); OFSD's teacher view
@@ -267,29 +257,13 @@ def grpo_round(policy, kl_model, optimizer, tokenizer, index, questions, cfg, ge
         batch = grpo.explore(policy, tokenizer, index, step_questions, cfg, gen)
         rollout_seconds = time.time() - t0
         if batch.weights is not None and pages is not None and not any(p["round"] == first_step for p in pages):
-            pages += [dict(x, round=first_step) for x in credit_sections(tokenizer, batch, cfg, first_step + s + 1)]
+            pages += [dict(x, round=first_step) for x in credit_sections(tokenizer, batch, cfg.group_size, cfg.credit_eps, first_step + s + 1)]
         n_tokens = fsdp.all_sum(batch.token_counts().to(gen.device))  # (ppo_updates,) over every rank
         done = grpo.update(policy, kl_model, optimizer, batch, n_tokens, cfg, first_step + s + 1, tokenizer.pad_id)
         m = grpo.step_metrics(done, fsdp.all_sum(done["loss_sums"]), fsdp.all_sum(done["rollout_sums"].to(gen.device)),
                               n_tokens)
         yield dict(m, seconds=time.time() - t0, rollout_seconds=rollout_seconds,
                    state_bytes=fsdp.state_bytes(policy, optimizer, kl_model))
-
-
-def credit_sections(tokenizer, batch, cfg, step):
-    """tokens.html's sections for a GRPO round: up to two groups with both outcomes, each row's tokens
-    coloured by the teacher's weight w - 1."""
-    G, out = cfg.group_size, []
-    for g in range(0, len(batch.trajs), G):
-        if len(out) < 2 and any(w is not None for w in batch.weights[g:g + G]):
-            rows = [(f"reward {batch.rewards[i]:.0f} | A {batch.advantages[i]:+.2f}" +
-                     (" | w = 1 (tau_ref, or A = 0)" if batch.weights[i] is None else ""),
-                     batch.trajs[i], None if batch.weights[i] is None else [x - 1 for x in batch.weights[i]])
-                    for i in range(g, g + G)]
-            out.append(dict(token_section(tokenizer, f"GRPO step {step}: a group's rollouts, w - 1", rows,
-                                          cfg.credit_eps, "blue: the teacher credits the token more (w > 1), "
-                                          "red: less; grey: the environment's text")))
-    return out
 
 
 def ofsd_round(policy, tokenizer, index, questions, cfg, gen, run, r, it, order_seed):

@@ -113,6 +113,16 @@ def setup(device, dtype, hidden_size, masters=True):
     return rank, world_size, dev, dt
 
 
+def check_ranks(questions_per_step, ppo_updates, ofsd_questions, world_size):
+    """Every rank needs questions, and the same number of training passes."""
+    q = questions_per_step
+    if q % world_size or q // world_size < ppo_updates or ofsd_questions < world_size:
+        raise SystemExit(f"--questions_per_step={q} must be a multiple of the number of ranks ({world_size}) "
+                         f"with at least one question per rank for each of its {ppo_updates} updates, and "
+                         f"--ofsd_questions={ofsd_questions} at least the number of ranks: every rank needs "
+                         "questions, and the same number of training passes")
+
+
 def check_compile(compile, device, world_size=1):
     """--compile=true is for one process on CUDA: on a CPU the compiled step measured no faster and a
     run's changing cache shapes make it compile again and again (docs/benchmarks.md)."""

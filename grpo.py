@@ -185,9 +185,8 @@ def update(policy, kl_model, optimizer, batch, n_tokens, cfg, step, pad_id):
     ((ppo_updates, 5) float64) and of the rollouts (reward, searches, trajectories: (3,))."""
     for g in optimizer.param_groups:
         g["lr"] = learning_rate(cfg, step)
-    lam, adv = credit.schedule(cfg.credit_lambda, cfg.credit_decay_steps, step), batch.advantages
-    if batch.weights is not None:  # A_t = A ((1 - lambda) + lambda w_t) where the teacher weighed a row
-        adv = [a if w is None else [credit.credited(a, x, lam) for x in w] for a, w in zip(adv, batch.weights)]
+    lam = credit.schedule(cfg.credit_lambda, cfg.credit_decay_steps, step)
+    adv = batch.advantages if batch.weights is None else credit.token_advantages(batch.advantages, batch.weights, lam)
     done = [grpo_step(policy, kl_model, optimizer, [batch.trajs[i] for i in part], [adv[i] for i in part],
                       cfg, pad_id, n) for part, n in zip(batch.parts, n_tokens)]
     rollout_sums = torch.tensor([sum(batch.rewards), sum(t.n_search for t in batch.trajs), len(batch.trajs)])

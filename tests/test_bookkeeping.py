@@ -48,11 +48,11 @@ def test_a_nested_group_takes_the_overrides_given():
 
 
 def test_ranks_need_a_question_per_update_each():
-    """check_ranks compares each rank's share of a step's questions with the PPO updates."""
+    """fsdp.check_ranks compares each rank's share of a step's questions with the PPO updates."""
     cfg = settings(GRPOConfig, questions_per_step=4, ppo_mini_batch=1)  # 4 updates a step
-    evolve.check_ranks(cfg, 4, 1)
+    fsdp.check_ranks(cfg.questions_per_step, cfg.ppo_updates, 4, 1)
     with pytest.raises(SystemExit, match="at least one question per rank for each of its 4 updates"):
-        evolve.check_ranks(cfg, 4, 2)  # 2 questions a rank for 4 updates
+        fsdp.check_ranks(cfg.questions_per_step, cfg.ppo_updates, 4, 2)  # 2 questions a rank for 4 updates
 
 
 def test_the_context_check_counts_the_teacher_view(tokenizer):
