@@ -268,7 +268,7 @@ def token_page(sections):
                 if not sampled:
                     spans.append(f'<span class="env">{html.escape(text)}</span>')
                     continue
-                x = 0.0 if v is None else max(-1.0, min(1.0, v / sec["scale"]))
+                x = 0.0 if v is None else 0.6 * max(-1.0, min(1.0, v / sec["scale"]))  # 0.6: the text stays legible
                 rgb = (int(255 * (1 - x)), int(255 * (1 - x)), 255) if x >= 0 else (255, int(255 * (1 + x)), int(255 * (1 + x)))
                 tip = "" if v is None else f' title="{v:+.4f}"'
                 spans.append(f'<span class="p" style="background:rgb{rgb}"{tip}>{html.escape(text)}</span>')
