@@ -233,6 +233,10 @@ def token_section(tokenizer, title, rows, scale, legend):
     return dict(title=title, scale=scale, legend=legend, rows=out)
 
 
+LEGEND_W = ("blue: w > 1, the token takes more of its row's advantage (more credit on a correct row, more blame "
+            "on a failed one); red: w < 1, less; grey: the environment's text (documents, messages)")
+
+
 def credit_sections(tokenizer, batch, group_size, eps, step):
     """tokens.html's sections for a GRPO step's batch (grpo.Batch with the credit's weights): up to two
     groups with both outcomes, each row's tokens coloured by the teacher's weight w - 1."""
@@ -244,8 +248,7 @@ def credit_sections(tokenizer, batch, group_size, eps, step):
                      batch.trajs[i], None if batch.weights[i] is None else [x - 1 for x in batch.weights[i]])
                     for i in range(g, g + G)]
             out.append(dict(token_section(tokenizer, f"GRPO step {step}: a group's rollouts, w - 1", rows,
-                                          eps, "blue: the teacher credits the token more (w > 1), "
-                                          "red: less; grey: the environment's text")))
+                                          eps, LEGEND_W)))
     return out
 
 
