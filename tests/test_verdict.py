@@ -91,3 +91,32 @@ def test_committed_rows_give_the_committed_verdict():
     with open(os.path.join(folder, "verdict.txt")) as f:
         assert out == f.read()
     assert re.search(r"ofsd-none over none-round \(3 draws\).*BEATEN.*BEATEN.*BEATEN.*no gain", out)
+
+
+def credit_verdict(path):
+    """What `python experiments/credit.py verdict PATH` prints."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "credit.py"), "verdict", str(path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return p.stdout
+
+
+def test_credit_verdict_reproduces_the_committed_one():
+    """experiments/credit.py on docs/data/credit-toy/rows.jsonl prints docs/ablation.md's verdict: MDE 0.0146,
+    no difference this design can see for either credit arm."""
+    out = credit_verdict(os.path.join(ROOT, "docs", "data", "credit-toy", "rows.jsonl"))
+    assert "smallest detectable difference 0.0146" in out
+    assert "rlsd: mean EM 0.6607, d = -0.0133 over 10 seeds (5 up, 5 down, sign test p = 1.000)" in out
+    assert out.count("no difference this design can see") == 2
+
+
+def test_credit_rule_calls_a_gain_on_made_rows(tmp_path):
+    """The rule on made rows: an arm 0.02 above none on 9 seeds of 10 gains; one 0.02 below on every seed is worse."""
+    base = [0.67, 0.68, 0.66, 0.67, 0.69, 0.67, 0.68, 0.66, 0.67, 0.68]
+    rows = [dict(arm="none", seed=s, em=e) for s, e in enumerate(base)]
+    rows += [dict(arm="up", seed=s, em=e + (0.02 if s else -0.001)) for s, e in enumerate(base)]
+    rows += [dict(arm="down", seed=s, em=e - 0.02) for s, e in enumerate(base)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = credit_verdict(path)
+    assert re.search(r"up: .*GAIN", out) and re.search(r"down: .*WORSE", out)
