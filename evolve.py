@@ -3,11 +3,12 @@
     evaluate the starting policy; checkpoint
     for it in range(iterations):
         GRPO round (grpo.py): grpo_steps updates on fresh rollouts, G a question; reward = exact
-                   match; PPO-clip loss + KL to the round's starting policy.  Evaluate; checkpoint
+                   match; PPO-clip loss + KL to the round's starting policy (with --credit_lambda,
+                   each token's advantage weighed by the teacher view: credit.py).  Evaluate; checkpoint
         OFSD round (ofsd.py): fresh rollouts -> one (tau_ref, tau_stu) pair a question -> LoRA
                    distillation of the teacher view (tau_ref in context, adapter off) into the
                    student view -> merge.  Evaluate; checkpoint
-    print the results table, one row an evaluation
+    print the results table, one row an evaluation; tokens.html shows where the teacher disagrees
 
 METHOD.md is the method and where this code departs from Search-R1. With no arguments it trains on the
 toy world (worlds/); any constant below is overridable as --key=value (real scale: docs/real-scale.md).
