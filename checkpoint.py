@@ -248,12 +248,13 @@ class Run:
     def merge(self, policy, params, name):
         """The end of a round that trained the adapter `params`: merged into the policy; a LoRA run
         first saves it as `name` in its chain, and a policy it holds in bfloat16 (fsdp.wrap) takes
-        the chain merged in float32 (rebase)."""
-        merge_adapter(policy, params, self.adapter_dir(name))
+        the chain merged in float32 (rebase). Returns how far the ranks' replicas had drifted apart."""
+        drift = merge_adapter(policy, params, self.adapter_dir(name))
         if self.chain is not None:
             self.chain["adapters"].append(self.adapter_dir(name))
             if policy.lm_head_weight.dtype.itemsize < 4:
                 rebase(policy, self.chain)
+        return drift
 
     def save(self, policy, tokenizer, optimizer, rng, gen):
         """One more round done: the checkpoint (the chain's base hashed once, on the first)."""
@@ -268,14 +269,16 @@ class Run:
 def merge_adapter(policy, params, adapter_dir=None):
     """The end of a round that trained the adapter `params`: the same adapter on every rank (rank 0's,
     a guard against non-deterministic kernels), saved to `adapter_dir` in PEFT's format when given,
-    merged into the base weights (a sharded weight takes its slice), which train again."""
-    fsdp.replicate(params)
+    merged into the base weights (a sharded weight takes its slice), which train again. Returns how far
+    the ranks' replicas had drifted apart (0.0 when every rank held the same adapter)."""
+    drift = fsdp.replicate(params)
     if adapter_dir is not None and fsdp.rank() == 0:
         lora.save_adapter(policy, adapter_dir)
     fsdp.reshard(policy)
     lora.merge(policy, part=fsdp.shard_like if fsdp.is_sharded(policy) else None)
     for p in policy.parameters():
         p.requires_grad_(True)
+    return drift
 
 
 # ---------------------------------------------------------------------------------------------

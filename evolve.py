@@ -152,7 +152,7 @@ def main():
                 run.record(dict(kind="grpo_step", iteration=it, **m), grpo_line(m, it))
             run.state["step"] += grpo_steps
             if adapter is not None:  # saved in the run's chain, merged
-                run.merge(policy, adapter, f"{r:02d}-grpo")
+                row["replica_drift"] = run.merge(policy, adapter, f"{r:02d}-grpo")  # 0.0: one adapter on every rank
             del kl_model  # a second copy of the weights: not kept through the evaluation or an OFSD round
         elif kind == "ofsd":
             row.update(ofsd_round(policy, tokenizer, index, sample_questions(ofsd_questions), ofsd_cfg, gen, run, r,
@@ -274,25 +274,35 @@ def ofsd_round(policy, tokenizer, index, questions, cfg, gen, run, r, it, order_
         run.record(None, f"ofsd | it {it} | mining {cfg.ofsd_questions} questions x {cfg.group_size}")
         pairs = fsdp.all_ranks(ofsd.mine_round(policy, tokenizer, index, questions, cfg, gen))  # every rank: all
         gap = teacher_gap.before_round(policy, tokenizer, index, pairs, cfg.rollout, cfg.kl_chunk, cfg.ofsd_context)
-        lesson = ofsd.prepare(policy, tokenizer, pairs, cfg)  # both views, the teacher's states
-        m, shown = dict(lesson.metrics), pairs[:3]  # tokens.html: tau_stu, teacher log p - student log p
+        shown = pairs[:3]  # tokens.html: tau_stu, teacher log p - student log p, before the round trains
         gaps = credit.view_logprobs(policy, tokenizer, [p.stu for p in shown], [ofsd.privileged(tokenizer, p,
                                     cfg.ofsd_context) for p in shown], 1.0, cfg.ofsd_pairs_per_step)
         run.state["pages"] += [dict(token_section(tokenizer, f"OFSD round {r}: tau_stu, log p_T - log p_S", [
             (f"tau_stu ({'incorrect' if p.incorrect else 'correct'})", p.stu, (lt - ls).tolist())
             for p, (lt, ls) in zip(shown, gaps)], 2.0, "blue: the teacher view gives the token more probability "
             "than the student view, red: less (scale +-2 nats)"), round=f"ofsd {r}")] if shown else []
-        if lesson.data:
-            adapter = lora.attach(policy, cfg.ofsd_lora_rank, cfg.ofsd_lora_alpha)
-            fsdp.replicate(adapter)  # rank 0's initialisation on every rank
-            m = ofsd.distill(policy, adapter, tokenizer, lesson, cfg, order_seed)
-            for n, (epoch, loss) in enumerate(zip(m.pop("epochs"), m["losses"]), 1):
-                run.record(None, f"ofsd | it {it} | epoch {epoch} | step {n:4d} | loss {loss:.5f}")
-            run.merge(policy, adapter, f"{r:02d}-ofsd")
+        m = distill_round(policy, tokenizer, pairs, cfg, order_seed, lambda p, a: run.merge(p, a, f"{r:02d}-ofsd"))
+        for n, (epoch, loss) in enumerate(zip(m.pop("epochs", []), m["losses"]), 1):
+            run.record(None, f"ofsd | it {it} | epoch {epoch} | step {n:4d} | loss {loss:.5f}")
         m.update(gap, **teacher_gap.after_round(policy, tokenizer, index, pairs, cfg.rollout))
     row = dict(round=r, after="ofsd", iteration=it, **{k: v for k, v in m.items() if k != "losses"})
     run.record(dict(kind="ofsd_round", **row, losses=m["losses"]), ofsd_line(row, m))
     return {k: v for k, v in m.items() if k != "losses"}  # counts, KL, diagnostics
+
+
+def distill_round(policy, tokenizer, pairs, cfg, seed, merge=checkpoint.merge_adapter):
+    """An OFSD round's training: both views of each pair and the teacher's states (ofsd.prepare), a
+    fresh adapter (rank 0's initialisation on every rank) distilled on them (ofsd.distill, in an order
+    `seed` shuffles), then `merge(policy, adapter)` (a run's also saves it in its chain). Returns the
+    round's metrics, each step's epoch and loss, and how far the adapter's replicas had drifted."""
+    lesson = ofsd.prepare(policy, tokenizer, pairs, cfg)
+    if not lesson.data:  # no usable pair: nothing to train
+        return dict(lesson.metrics)
+    adapter = lora.attach(policy, cfg.ofsd_lora_rank, cfg.ofsd_lora_alpha)
+    fsdp.replicate(adapter)
+    m = ofsd.distill(policy, adapter, tokenizer, lesson, cfg, seed)
+    m["replica_drift"] = merge(policy, adapter)
+    return m
 
 
 if __name__ == "__main__":

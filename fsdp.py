@@ -21,7 +21,8 @@ Checkpoints: `full_state_dict` gathers the model on rank 0 (written in Hugging F
 optimizer is saved per rank with torch.distributed.checkpoint (`save_optimizer` / `load_optimizer`).
 `state_bytes` reports what each rank holds. `trim_host_memory` hands the memory glibc keeps freed
 back to the OS (after each checkpoint, each decoding batch, each cast of the weights, and on a CPU
-before each decoder layer that runs with gradients: `wrap`'s `trim_each_layer`).
+before each decoder layer that runs with gradients: `wrap`'s `trim_each_layer`); on a CPU the kernel caches
+oneDNN and ideep keep per matmul shape are bounded (`MATMUL_SHAPES`), or a run grows round after round.
 `teardown` leaves the process group, a distributed process's last call.
 
 Left out: CPU offload of parameters or optimizer state, tensor or sequence parallelism, hybrid
@@ -61,6 +62,9 @@ def cpu_has_native_bf16():
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
+MATMUL_SHAPES = "128"  # on a CPU, the matmul shapes whose kernels oneDNN and its ideep layer keep (1024 each by default)
+
+
 def device_and_dtype(device, dtype, hidden_size):
     """The one place that picks the device and the compute dtype: (device string, torch dtype).
     device "auto": CUDA when there is one, else "cpu". A CUDA device always carries its index
@@ -69,6 +73,10 @@ def device_and_dtype(device, dtype, hidden_size):
     natively and the model's hidden size is at least BF16_MIN_HIDDEN (a real checkpoint, whose
     matmuls dominate), float32 otherwise (the toy world keeps float32, so its tables stay comparable)."""
     dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    if dev == "cpu":  # each matmul shape met (a decoding batch's rows, a micro-batch's tokens) left ~0.5 MB there:
+        # a real run grew 0.3-0.6 GB a round. Bounded before the first matmul reads it (a user's setting wins)
+        for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+            os.environ.setdefault(var, MATMUL_SHAPES)
     if dev == "cuda":
         dev = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
     if dtype != "auto":
@@ -359,10 +367,18 @@ def rank():
 
 def replicate(params):
     """Rank 0's values for every rank: parameters attached after sharding (a LoRA adapter) are
-    replicated, not sharded."""
-    if dist.is_initialized():
-        for p in params:
-            dist.broadcast(p.data, 0)
+    replicated, not sharded. Returns the largest difference it replaced (0.0 in one process): replicas
+    that drifted apart (a gradient not summed over the ranks, a non-deterministic kernel) show there."""
+    if not dist.is_initialized():
+        return 0.0
+    drift = []
+    for p in params:
+        ours = p.data.clone()
+        dist.broadcast(p.data, 0)
+        drift.append((ours - p.data).abs().max().float())
+    drift = torch.stack(drift).max() if drift else torch.zeros(())
+    dist.all_reduce(drift, op=dist.ReduceOp.MAX)  # every rank's largest
+    return float(drift)
 
 
 def sum_grads(params):

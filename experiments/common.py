@@ -26,8 +26,8 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import checkpoint  # noqa: E402
+import evolve  # noqa: E402
 import fsdp  # noqa: E402
-import lora  # noqa: E402
 
 def machine():
     """This CPU as a row records it: its model name and which native bfloat16 paths it has."""
@@ -133,16 +133,10 @@ def cell(vals, digits=3):
 
 
 def distill_round(model, tok, pairs, cfg, seed, log=None):
-    """An OFSD round's distillation as evolve.ofsd_round runs it in one process: both views, a fresh
-    adapter, distil, merge; log(epoch, step, loss) after it for each step."""
-    import ofsd
-    lesson = ofsd.prepare(model, tok, pairs, cfg)
-    if not lesson.data:
-        return dict(lesson.metrics)
-    adapter = lora.attach(model, cfg.ofsd_lora_rank, cfg.ofsd_lora_alpha)
-    m = ofsd.distill(model, adapter, tok, lesson, cfg, seed)
-    for n, (epoch, loss) in enumerate(zip(m.pop("epochs"), m["losses"]), 1):
+    """An OFSD round's distillation as evolve.py runs it (evolve.distill_round); log(epoch, step, loss)
+    after it for each step."""
+    m = evolve.distill_round(model, tok, pairs, cfg, seed)
+    for n, (epoch, loss) in enumerate(zip(m.pop("epochs", []), m["losses"]), 1):
         if log:
             log(epoch, n, loss)
-    checkpoint.merge_adapter(model, adapter)
     return m

@@ -27,18 +27,10 @@ def settings(cls, **overrides):
 
 
 def distill_round(model, tokenizer, pairs, cfg, seed=0):
-    """An OFSD round's distillation as evolve.ofsd_round runs it in one process: both views, a fresh
-    adapter, distil, merge (checkpoint.merge_adapter). The metrics, without the steps' epochs."""
-    import checkpoint
-    import lora
-    import ofsd
-    lesson = ofsd.prepare(model, tokenizer, pairs, cfg)
-    if not lesson.data:
-        return dict(lesson.metrics)
-    adapter = lora.attach(model, cfg.ofsd_lora_rank, cfg.ofsd_lora_alpha)
-    m = ofsd.distill(model, adapter, tokenizer, lesson, cfg, seed)
-    m.pop("epochs")
-    checkpoint.merge_adapter(model, adapter)
+    """An OFSD round's distillation as evolve.py runs it (evolve.distill_round) in one process: the
+    metrics, without the steps' epochs."""
+    m = evolve.distill_round(model, tokenizer, pairs, cfg, seed)
+    m.pop("epochs", None)
     return m
 
 

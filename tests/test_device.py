@@ -2,6 +2,7 @@
 against the contract torch enforces on CUDA device strings (torch.cuda.set_device's
 _get_device_index), with CUDA's presence and the CPU's bfloat16 flags patched."""
 
+import os
 import sys
 
 import pytest
@@ -75,3 +76,11 @@ def test_eval_uses_the_auto_dtype(monkeypatch, tiny_checkpoint, search_index, tm
                                       "--max_turn_tokens=4", "--max_obs_tokens=8"])
     evaluation.main()
     assert loaded == [("cpu", torch.bfloat16)]
+
+
+def test_a_cpu_bounds_the_matmul_kernel_caches_and_keeps_a_users_bound(monkeypatch):
+    """On a CPU, oneDNN's and ideep's per-shape caches are bounded, unless the user set a bound."""
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")
+    fsdp.device_and_dtype("cpu", "auto", 896)
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == fsdp.MATMUL_SHAPES and os.environ["LRU_CACHE_CAPACITY"] == "7"

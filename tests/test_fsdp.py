@@ -225,6 +225,44 @@ def test_two_rank_resume_gives_the_uninterrupted_result(two_rank_runs):
 
 
 
+@pytest.fixture(scope="module")
+def two_rank_lora_runs(micro, tmp_path_factory):
+    """(a 2-rank LoRA evolve.py run of 2 iterations, the same stopped after 1 and resumed): out_dirs."""
+    d = tmp_path_factory.mktemp("fsdp_lora_runs")
+    args = [*micro, "--grpo_steps=1", "--grpo_lora_rank=4", "--grpo_lora_lr=1e-3", "--seed=3"]  # groups of both outcomes
+    full, cut = str(d / "full"), str(d / "cut")
+    run(TORCHRUN + ["evolve.py", *args, "--iterations=2", f"--out_dir={full}"])
+    run(TORCHRUN + ["evolve.py", *args, "--iterations=1", f"--out_dir={cut}"])
+    assert "resumed from" in run(TORCHRUN + ["evolve.py", *args, "--iterations=2", f"--out_dir={cut}", "--resume"]).stdout
+    return full, cut
+
+
+def test_two_rank_lora_run_holds_one_adapter_on_every_rank(two_rank_lora_runs):
+    """A 2-rank LoRA run through evolve.py: each round's adapter the same on both ranks when merged (its
+    gradient summed over them), each rank evaluating its share, the chain saved."""
+    full, _ = two_rank_lora_runs
+    rows = [json.loads(line) for line in open(os.path.join(full, "metrics.jsonl"))]
+    merges = [r["replica_drift"] for r in rows if r["kind"] == "ofsd_round" and r["losses"]]
+    merges += [r["replica_drift"] for r in rows if r["kind"] == "eval" and r["after"] == "grpo"]
+    assert len(merges) >= 3 and merges == [0.0] * len(merges)  # 2 GRPO adapters and the OFSD rounds that mined pairs
+    assert any(r["pg"] != 0 for r in rows if r["kind"] == "grpo_step")  # a group of both outcomes: a gradient to sum
+    assert all(r["summary"]["all"]["n"] == 3 for r in rows if r["kind"] == "eval")
+    chain = json.load(open(os.path.join(full, "checkpoint", "model", "policy.json")))
+    assert len(chain["adapters"]) == len(os.listdir(os.path.join(full, "adapters"))) >= 3
+
+
+def test_two_rank_lora_resume_gives_the_uninterrupted_result(two_rank_lora_runs):
+    """A 2-rank LoRA run stopped after 1 iteration and resumed saves the uninterrupted run's adapters and table."""
+    full, cut = two_rank_lora_runs
+    names = sorted(os.listdir(os.path.join(full, "adapters")))
+    assert names == sorted(os.listdir(os.path.join(cut, "adapters")))
+    for name in names:
+        a, b = (load_file(os.path.join(d, "adapters", name, "adapter_model.safetensors")) for d in (full, cut))
+        assert max_diff(a, b) == 0, name
+    results = [json.load(open(os.path.join(d, "checkpoint", "state.json")))["results"] for d in (full, cut)]
+    assert [r["summary"] for r in results[0]] == [r["summary"] for r in results[1]]
+
+
 @pytest.mark.parametrize("recompute", [False, True])
 def test_wrap_trims_the_heap_before_each_layer_that_runs_with_gradients(monkeypatch, recompute):
     """fsdp.wrap on a CPU: a trim before each layer's forward and its backward with gradients; none without."""
