@@ -150,12 +150,8 @@ def grpo_step(model, kl_model, optimizer, trajs, advantages, cfg, pad_id, n_toke
     for s in range(0, len(trajs), cfg.micro_batch):
         rows = by_length[s:s + cfg.micro_batch]
         ids, valid, mask, old = pad_batch([trajs[i] for i in rows], pad_id, device)  # (B, T) each
-        if all(isinstance(advantages[i], float) for i in rows):
-            adv = torch.tensor([advantages[i] for i in rows], dtype=torch.float32, device=device)  # (B,)
-            adv_tok = adv[:, None].expand_as(mask)[:, 1:][mask[:, 1:]]  # (n,) each token its row's advantage
-        else:  # the credit: a row's own advantage on each of its sampled tokens, in order
-            adv_tok = torch.tensor([a for i in rows for a in per_token(advantages[i], trajs[i])], dtype=torch.float32,
-                                   device=device)  # (n,)
+        adv_tok = torch.tensor([a for i in rows for a in per_token(advantages[i], trajs[i])], dtype=torch.float32,
+                               device=device)  # (n,) each sampled token its row's advantage (credited: its own)
         old_tok = old[:, 1:][mask[:, 1:]]  # (n,)
         with torch.no_grad(), lora.disabled(model) if kl_model is None else contextlib.nullcontext():
             kl_tok = token_logprobs(model if kl_model is None else kl_model, ids, valid, mask, temperature)
